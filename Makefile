@@ -1,0 +1,30 @@
+# Two entry points: `make run` and `make test`. Both create .venv on first use.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test clean-venv bench-alloc
+
+$(VENV)/.installed-base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[dev,serve,bench]'
+	touch $(VENV)/.installed-base $@
+
+run: $(VENV)/.installed-base
+	$(PY) -m jpaged.main
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest
+
+bench-alloc: $(VENV)/.installed-dev
+	$(PY) benchmarks/allocator_step.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,118 @@
+"""Host-side mirror of the block manager: predicts every device allocation without a sync.
+
+It runs the same deterministic algorithm as `jpaged.memory` on plain Python/numpy data, one
+operation per scheduler decision, so the scheduler knows block ids (for prefix caching and swap)
+and the free count before the device has run. Tests hold the device functions to it, block id
+for block id.
+"""
+
+import numpy as np
+
+from jpaged.kv_cache import PAD_SLOT, SINK_BLOCK
+
+
+class HostBlockMirror:
+    """The allocator state on the host: free stack, refcounts, tables as lists, lengths."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int):
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_blocks = num_blocks
+        self.free_stack = list(range(num_blocks - 1, 0, -1))   # top = end of list
+        self.refcounts = np.zeros(num_blocks, np.int64)
+        self.refcounts[SINK_BLOCK] = 1
+        self.tables: list[list[int]] = [[] for _ in range(max_seqs)]
+        self.seq_lens = np.zeros(max_seqs, np.int64)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_stack)
+
+    def blocks_needed(self, rows: list[tuple[int, int]]) -> int:
+        """New blocks appending rows of (seq_id, num_tokens) in batch order would pop.
+
+        Copy-on-write included: of several rows writing into one shared partial block, each copies
+        while another holder remains, so the last holder writes in place.
+        """
+        size, total, holders = self.block_size, 0, {}
+        for seq_id, count in rows:
+            if seq_id < 0 or count == 0:
+                continue
+            old_len = int(self.seq_lens[seq_id])
+            total += -(-(old_len + count) // size) - (-(-old_len // size))
+            if old_len % size:
+                last = self.tables[seq_id][-1]
+                remaining = holders.get(last, int(self.refcounts[last]))
+                if remaining > 1:
+                    total += 1
+                    holders[last] = remaining - 1
+        return total
+
+    def append(self, rows: list[tuple[int, int]]):
+        """Mirror of append_tokens over (seq_id, num_tokens) rows in batch order.
+
+        Returns (ok, slots per row, copies as (src, dst) per row or None). All or nothing.
+        """
+        total = self.blocks_needed(rows)
+        fits = all(-(-(int(self.seq_lens[s]) + n) // self.block_size) <= self.max_blocks_per_seq
+                   for s, n in rows if s >= 0)
+        if total > self.num_free or not fits:
+            return False, [[] for _ in rows], [None for _ in rows]
+        all_slots, all_copies = [], []
+        for seq_id, count in rows:
+            if seq_id < 0:
+                all_slots.append([])
+                all_copies.append(None)
+                continue
+            copy = None
+            table = self.tables[seq_id]
+            old_len = int(self.seq_lens[seq_id])
+            if count and old_len % self.block_size and self.refcounts[table[-1]] > 1:
+                fresh = self.free_stack.pop()
+                copy = (table[-1], fresh)
+                self.refcounts[table[-1]] -= 1
+                self.refcounts[fresh] = 1
+                table[-1] = fresh
+            while len(table) * self.block_size < old_len + count:
+                fresh = self.free_stack.pop()
+                self.refcounts[fresh] = 1
+                table.append(fresh)
+            positions = range(old_len, old_len + count)
+            all_slots.append([table[p // self.block_size] * self.block_size + p % self.block_size
+                              for p in positions])
+            all_copies.append(copy)
+            self.seq_lens[seq_id] = old_len + count
+        return True, all_slots, all_copies
+
+    def free(self, seq_ids: list[int]):
+        """Mirror of free_seqs: decrement all, then push zeros in first-occurrence order."""
+        touched = [b for s in seq_ids if s >= 0 for b in self.tables[s]]
+        for block in touched:
+            self.refcounts[block] -= 1
+        seen = set()
+        for block in touched:
+            if block not in seen and self.refcounts[block] == 0:
+                self.free_stack.append(block)
+            seen.add(block)
+        for s in seq_ids:
+            if s >= 0:
+                self.tables[s] = []
+                self.seq_lens[s] = 0
+
+    def fork(self, pairs: list[tuple[int, int]]):
+        """Mirror of fork_seqs over (parent, child) pairs."""
+        for parent, child in pairs:
+            if child < 0:
+                continue
+            for block in self.tables[parent]:
+                self.refcounts[block] += 1
+            self.tables[child] = list(self.tables[parent])
+            self.seq_lens[child] = self.seq_lens[parent]
+
+    def padded_table(self, seq_id: int) -> list[int]:
+        """The device-format row: owned blocks, then SINK_BLOCK up to M entries."""
+        table = self.tables[seq_id]
+        return table + [SINK_BLOCK] * (self.max_blocks_per_seq - len(table))
+
+
+__all__ = ["HostBlockMirror", "PAD_SLOT"]

@@ -1,0 +1,209 @@
+"""The block manager: one immutable pytree and pure, jittable functions over it.
+
+State: a free-block stack (the free blocks are `free_stack[:num_free]`, the top is popped first),
+per-block refcounts, per-sequence block tables [max_seqs, M] and lengths. Every function takes the
+state and returns a new one; none scans all blocks: allocation pops from the stack, freeing pushes
+the blocks whose refcount reached zero. All work inside `lax.fori_loop`/`while_loop` (the
+multi-step decode loop allocates on the device).
+
+Conventions the engine relies on:
+- Physical block 0 is the reserved sink (`kv_cache.SINK_BLOCK`): never on the free stack, it fills
+  every unused table entry. A sequence of length L owns exactly its first ceil(L / S) entries.
+- Sequence id -1 in a batch is a padded row: it allocates nothing, its slots are -1 (`PAD_SLOT`,
+  writes dropped), its copies are (-1, -1).
+- Out of blocks: the function returns `ok=False` with the state unchanged. The caller must check.
+- Ordering is deterministic (stack pops in batch order; pushes in first-occurrence order of
+  (sequence, logical block)), so `HostBlockMirror` predicts every block id without a device sync.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.kv_cache import PAD_SLOT, SINK_BLOCK
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["free_stack", "num_free", "refcounts", "block_tables", "seq_lens"],
+                   meta_fields=["block_size"])
+@dataclasses.dataclass(frozen=True)
+class BlockManagerState:
+    free_stack: jax.Array    # [N] int32; entries [0, num_free) are the free blocks
+    num_free: jax.Array      # [] int32
+    refcounts: jax.Array     # [N] int32; 0 = free (the sink's count is pinned at 1)
+    block_tables: jax.Array  # [max_seqs, M] int32; unused entries hold SINK_BLOCK
+    seq_lens: jax.Array      # [max_seqs] int32; tokens stored per sequence
+    block_size: int          # S (static)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.refcounts.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["slot_mapping", "copies", "ok", "num_blocks_needed"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class AppendResult:
+    slot_mapping: jax.Array       # [B, T] int32 physical slot (block * S + offset) per new token
+    copies: jax.Array             # [B, 2] int32 copy-on-write (src, dst) per row, (-1, -1) if none
+    ok: jax.Array                 # [] bool; False: nothing changed (out of blocks or table full)
+    num_blocks_needed: jax.Array  # [] int32 blocks the request asked for
+
+
+def init_state(num_blocks: int, block_size: int, max_seqs: int,
+               max_blocks_per_seq: int) -> BlockManagerState:
+    """All blocks but the sink free; block 1 is popped first."""
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be at least 2 (one is the sink), got {num_blocks}")
+    for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
+                        ("max_blocks_per_seq", max_blocks_per_seq)):
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+    free = jnp.arange(num_blocks - 1, 0, -1, dtype=jnp.int32)
+    return BlockManagerState(
+        free_stack=jnp.concatenate([free, jnp.zeros(1, jnp.int32)]),
+        num_free=jnp.int32(num_blocks - 1),
+        refcounts=jnp.zeros(num_blocks, jnp.int32).at[SINK_BLOCK].set(1),
+        block_tables=jnp.full((max_seqs, max_blocks_per_seq), SINK_BLOCK, jnp.int32),
+        seq_lens=jnp.zeros(max_seqs, jnp.int32),
+        block_size=block_size,
+    )
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _select(ok, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def append_tokens(state: BlockManagerState, seq_ids, num_tokens, *, max_tokens: int):
+    """Append num_tokens[b] tokens to each sequence seq_ids[b]; returns (state, AppendResult).
+
+    seq_ids: [B] int32 (-1 = padded row; no id twice); num_tokens: [B] int32 in [0, max_tokens].
+    New blocks come off the free stack only where a sequence crosses a block boundary. If the
+    sequence's partly filled last block is shared (refcount > 1) and the row writes into it, a
+    fresh block replaces it in the table first (copy-on-write) and (src, dst) is returned for the
+    cache to copy. Covers prompt allocation (a fresh sequence), one-token decode appends and
+    prefill chunks alike. slot_mapping is [B, max_tokens], -1 past each row's count.
+    """
+    size = state.block_size
+    active = seq_ids >= 0
+    sid = jnp.where(active, seq_ids, 0)
+    count = jnp.where(active, num_tokens, 0).astype(jnp.int32)
+    old_len = state.seq_lens[sid]
+    new_len = old_len + count
+    old_blocks, new_blocks = _cdiv(old_len, size), _cdiv(new_len, size)
+    last_idx = jnp.minimum(old_len // size, state.max_blocks_per_seq - 1)
+    last_block = state.block_tables[sid, last_idx]
+    writes_shared = active & (count > 0) & (old_len % size != 0)
+    # Rows sharing one partial block copy in batch order while another holder remains, exactly as
+    # if appended one by one: with r holders, the first r - 1 writers copy, the last writes in place.
+    earlier = jnp.tril(jnp.ones((seq_ids.shape[0],) * 2, bool), -1)
+    same_block = (last_block[:, None] == last_block[None]) & writes_shared[None] & earlier
+    rank = jnp.sum(same_block, axis=1)
+    needs_cow = writes_shared & (rank < state.refcounts[last_block] - 1)
+    need = new_blocks - old_blocks + needs_cow
+    total = jnp.sum(need)
+    fits = jnp.all(jnp.where(active, new_blocks <= state.max_blocks_per_seq, True))
+    ok = (total <= state.num_free) & fits
+
+    # Row b takes pops offsets[b] .. offsets[b] + need[b] - 1; the CoW block (if any) comes first.
+    max_new = _cdiv(max_tokens, size) + 1
+    k = jnp.arange(max_new, dtype=jnp.int32)[None]
+    pop_index = state.num_free - 1 - (jnp.cumsum(need) - need)[:, None] - k
+    taken = k < need[:, None]
+    new_ids = state.free_stack[jnp.clip(pop_index, 0, state.num_blocks - 1)]
+    logical = jnp.where(needs_cow[:, None], jnp.where(k == 0, last_idx[:, None],
+                                                      old_blocks[:, None] + k - 1),
+                        old_blocks[:, None] + k)
+    row = jnp.where(taken, sid[:, None], state.max_seqs)  # out of range rows are dropped
+    tables = state.block_tables.at[row, logical].set(new_ids, mode="drop")
+    refcounts = state.refcounts.at[jnp.where(taken, new_ids, state.num_blocks)].set(
+        1, mode="drop")
+    refcounts = refcounts.at[jnp.where(needs_cow, last_block, state.num_blocks)].add(
+        -1, mode="drop")
+
+    t = jnp.arange(max_tokens, dtype=jnp.int32)[None]
+    pos = old_len[:, None] + t
+    block_of_token = tables[sid[:, None], jnp.minimum(pos // size, state.max_blocks_per_seq - 1)]
+    slots = jnp.where((t < count[:, None]) & ok, block_of_token * size + pos % size, PAD_SLOT)
+    copies = jnp.where((needs_cow & ok)[:, None],
+                       jnp.stack([last_block, new_ids[:, 0]], axis=1), -1)
+    new_state = dataclasses.replace(
+        state, num_free=state.num_free - total, refcounts=refcounts, block_tables=tables,
+        seq_lens=state.seq_lens.at[jnp.where(active, sid, state.max_seqs)].set(
+            new_len, mode="drop"))
+    result = AppendResult(slot_mapping=slots, copies=copies.astype(jnp.int32), ok=ok,
+                          num_blocks_needed=total.astype(jnp.int32))
+    return _select(ok, new_state, state), result
+
+
+def allocate_prompt(state, seq_ids, prompt_lens, *, max_prompt_len: int):
+    """Blocks for fresh sequences' prompts: ceil(N / S) each. Same contract as append_tokens."""
+    return append_tokens(state, seq_ids, prompt_lens, max_tokens=max_prompt_len)
+
+
+def append_one(state, seq_ids):
+    """One decode token per sequence; returns (state, slots [B], copies [B, 2], ok)."""
+    state, result = append_tokens(state, seq_ids, jnp.ones_like(seq_ids), max_tokens=1)
+    return state, result.slot_mapping[:, 0], result.copies, result.ok
+
+
+def free_seqs(state: BlockManagerState, seq_ids) -> BlockManagerState:
+    """Drop sequences (seq_ids [B], -1 = padded row, no id twice): each of their blocks loses one
+    reference, and blocks reaching zero go back on the stack in first-occurrence order."""
+    active = seq_ids >= 0
+    sid = jnp.where(active, seq_ids, 0)
+    rows = state.block_tables[sid]                                       # [B, M]
+    owned = active[:, None] & (jnp.arange(state.max_blocks_per_seq)[None]
+                               < _cdiv(state.seq_lens[sid], state.block_size)[:, None])
+    ids = jnp.where(owned, rows, state.num_blocks).reshape(-1)
+    refcounts = state.refcounts.at[ids].add(-1, mode="drop")
+    order = jnp.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    first_sorted = jnp.concatenate([jnp.ones(1, bool), sorted_ids[1:] != sorted_ids[:-1]])
+    is_first = jnp.zeros_like(first_sorted).at[order].set(first_sorted)
+    in_range = ids < state.num_blocks
+    released = in_range & is_first & (refcounts[jnp.minimum(ids, state.num_blocks - 1)] == 0)
+    rank = jnp.cumsum(released) - released
+    push_at = jnp.where(released, state.num_free + rank, state.num_blocks)
+    free_stack = state.free_stack.at[push_at].set(ids, mode="drop")
+    drop_row = jnp.where(active, sid, state.max_seqs)
+    return dataclasses.replace(
+        state, free_stack=free_stack, num_free=state.num_free + jnp.sum(released),
+        refcounts=refcounts,
+        block_tables=state.block_tables.at[drop_row].set(SINK_BLOCK, mode="drop"),
+        seq_lens=state.seq_lens.at[drop_row].set(0, mode="drop"))
+
+
+def fork_seqs(state: BlockManagerState, parent_ids, child_ids) -> BlockManagerState:
+    """Each child (an empty sequence) shares all of its parent's blocks: refcounts +1.
+
+    parent_ids, child_ids: [B] int32; a row with child -1 is padding. Children must be distinct,
+    empty, and not parents in the same call. The shared partial block is copied on the first
+    write of either side (see append_tokens).
+    """
+    active = child_ids >= 0
+    pid = jnp.where(active, parent_ids, 0)
+    rows = state.block_tables[pid]
+    owned = active[:, None] & (jnp.arange(state.max_blocks_per_seq)[None]
+                               < _cdiv(state.seq_lens[pid], state.block_size)[:, None])
+    refcounts = state.refcounts.at[jnp.where(owned, rows, state.num_blocks)].add(1, mode="drop")
+    child_row = jnp.where(active, child_ids, state.max_seqs)
+    return dataclasses.replace(
+        state, refcounts=refcounts,
+        block_tables=state.block_tables.at[child_row].set(rows, mode="drop"),
+        seq_lens=state.seq_lens.at[child_row].set(state.seq_lens[pid], mode="drop"))

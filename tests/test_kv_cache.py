@@ -1,0 +1,60 @@
+"""Paged KV cache: writes by slot (padding dropped), block copies, swap gather/scatter, sizing."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpaged import kv_cache
+
+
+def numbered_cache(num_layers=2, kv_heads=2, blocks=6, size=4, dim=3):
+    cache = kv_cache.init_cache(num_layers, kv_heads, blocks, size, dim, jnp.float32)
+    values = jnp.arange(kv_heads * blocks * size * dim, dtype=jnp.float32).reshape(
+        kv_heads, blocks, size, dim)
+    return kv_cache.KVCache(tuple(values + 1000 * l for l in range(num_layers)),
+                            tuple(-(values + 1000 * l) for l in range(num_layers)))
+
+
+def test_write_layer_writes_slots_and_drops_padding():
+    cache = kv_cache.init_cache(2, 2, 4, 4, 3, jnp.float32)
+    new = jnp.arange(3 * 2 * 3, dtype=jnp.float32).reshape(3, 2, 3) + 1
+    slots = jnp.array([5, kv_cache.PAD_SLOT, 14])
+    out = kv_cache.write_layer(cache, 1, new, -new, slots)
+    k = np.asarray(out.k_pages[1])
+    np.testing.assert_array_equal(k[:, 1, 1], np.asarray(new[0]))   # slot 5 = block 1, offset 1
+    np.testing.assert_array_equal(k[:, 3, 2], np.asarray(new[2]))   # slot 14 = block 3, offset 2
+    assert np.count_nonzero(k) == 2 * 2 * 3                          # padding wrote nothing
+    assert np.count_nonzero(np.asarray(out.k_pages[0])) == 0         # other layers untouched
+    np.testing.assert_array_equal(np.asarray(out.v_pages[1]), -k)
+
+
+def test_copy_blocks_reads_all_sources_first():
+    cache = numbered_cache()
+    before = np.asarray(cache.k_pages[1])
+    # 1 -> 2 and 2 -> 3 in one call: block 3 must receive block 2's *old* contents.
+    out = kv_cache.copy_blocks(cache, jnp.array([[1, 2], [2, 3], [-1, -1]]))
+    after = np.asarray(out.k_pages[1])
+    np.testing.assert_array_equal(after[:, 2], before[:, 1])
+    np.testing.assert_array_equal(after[:, 3], before[:, 2])
+    np.testing.assert_array_equal(after[:, [0, 1, 4, 5]], before[:, [0, 1, 4, 5]])
+    np.testing.assert_array_equal(np.asarray(out.v_pages[0])[:, 3],
+                                  np.asarray(cache.v_pages[0])[:, 2])
+
+
+def test_gather_scatter_round_trip():
+    cache = numbered_cache()
+    k, v = kv_cache.gather_blocks(cache, jnp.array([4, 1]))
+    assert k.shape == (2, 2, 2, 4, 3)
+    empty = kv_cache.init_cache(2, 2, 6, 4, 3, jnp.float32)
+    back = kv_cache.scatter_blocks(empty, jnp.array([2, -1]), k, v)
+    np.testing.assert_array_equal(np.asarray(back.k_pages[1])[:, 2],
+                                  np.asarray(cache.k_pages[1])[:, 4])
+    assert np.count_nonzero(np.asarray(back.k_pages[1])[:, [0, 1, 3, 4, 5]]) == 0
+
+
+def test_sizing_from_budget():
+    per_block = kv_cache.bytes_per_block(32, 8, 128, 16, jnp.bfloat16)
+    assert per_block == 2 * 32 * 8 * 16 * 128 * 2
+    assert kv_cache.num_blocks_for_budget(10 * per_block + 5, 32, 8, 128, 16, jnp.bfloat16) == 10
+    with pytest.raises(ValueError, match="budget"):
+        kv_cache.num_blocks_for_budget(per_block, 32, 8, 128, 16, jnp.bfloat16)

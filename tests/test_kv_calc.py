@@ -1,0 +1,58 @@
+"""KV calculator: the issue's llama3-70b numbers, every shipped config, bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jpaged.config import CONFIGS_DIR, ModelConfig
+from jpaged.kv_cache import kv_footprint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_llama3_70b_numbers():
+    numbers = kv_footprint(ModelConfig.preset("llama3-70b"), tokens=4096, block_size=16,
+                           dtype="bf16", users=128, shared_prefix=1000)
+    assert numbers["bytes_per_token"] == 327_680
+    assert numbers["bytes_per_block"] == 5_242_880
+    assert numbers["blocks_per_sequence"] == 256
+    assert round(numbers["prefix_bytes_unshared"] / 1e9, 1) == 41.9
+    assert round(numbers["prefix_bytes_shared"] / 1e9, 2) == 0.33
+    assert round(numbers["prefix_bytes_shared_paged"] / 1e9, 2) == 0.33
+
+
+def test_cli_json_keys():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "kv_calc.py"), "--model", "llama3-70b",
+         "--tokens", "4096", "--block-size", "16", "--dtype", "bf16", "--users", "128",
+         "--shared-prefix", "1000", "--json"], capture_output=True, text=True, check=True)
+    numbers = json.loads(out.stdout)
+    assert {"bytes_per_token", "bytes_per_block", "blocks_per_sequence",
+            "prefix_bytes_unshared", "prefix_bytes_shared"} <= set(numbers)
+    assert numbers["bytes_per_block"] == 5_242_880
+
+
+@pytest.mark.parametrize("name,per_token_bf16", [
+    ("llama2-7b", 2 * 32 * 32 * 128 * 2), ("llama3-8b", 2 * 32 * 8 * 128 * 2),
+    ("mistral-7b", 2 * 32 * 8 * 128 * 2), ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),
+    ("tiny", 2 * 2 * 2 * 16 * 2)])
+def test_shipped_configs(name, per_token_bf16):
+    assert ModelConfig.preset(name).kv_bytes_per_token("bfloat16") == per_token_bf16
+
+
+def test_every_shipped_config_loads():
+    assert len(list(CONFIGS_DIR.glob("*.json"))) >= 6
+    for path in CONFIGS_DIR.glob("*.json"):
+        ModelConfig.from_json(path)
+
+
+def test_cli_bad_input_names_the_problem():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "kv_calc.py"), "--model",
+                          "llama3-8b", "--block-size", "0"], capture_output=True, text=True)
+    assert out.returncode == 2 and "block_size" in out.stderr
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "kv_calc.py"), "--dtype", "int3"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "dtype" in out.stderr

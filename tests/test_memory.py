@@ -1,0 +1,219 @@
+"""Block manager: random operation sequences through the jitted functions, checked step by step
+against the host mirror (block id for block id), allocator invariants, and cache contents."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jpaged import kv_cache, memory
+from jpaged.block_mirror import HostBlockMirror
+
+NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS = 12, 4, 6, 5
+ROWS, MAX_TOKENS = 4, 9
+
+append_jit = jax.jit(functools.partial(memory.append_tokens, max_tokens=MAX_TOKENS))
+free_jit = jax.jit(memory.free_seqs)
+fork_jit = jax.jit(memory.fork_seqs)
+
+
+@jax.jit
+def write_and_copy(cache, copies, slots, values):
+    """Apply CoW copies, then write each new token's value (K=1, D=1 cache)."""
+    cache = kv_cache.copy_blocks(cache, copies)
+    new = values.reshape(-1, 1, 1)
+    return kv_cache.write_layer(cache, 0, new, new, slots.reshape(-1))
+
+
+def padded(values, fill):
+    return np.array(list(values) + [fill] * (ROWS - len(values)), np.int32)
+
+
+operation = st.one_of(
+    st.tuples(st.just("append"),
+              st.lists(st.tuples(st.integers(0, MAX_SEQS - 1), st.integers(0, MAX_TOKENS)),
+                       min_size=1, max_size=ROWS, unique_by=lambda r: r[0])),
+    st.tuples(st.just("fork"), st.tuples(st.integers(0, MAX_SEQS - 1),
+                                         st.integers(0, MAX_SEQS - 1))),
+    st.tuples(st.just("free"), st.lists(st.integers(0, MAX_SEQS - 1), min_size=1,
+                                        max_size=ROWS, unique=True)),
+)
+
+
+def check_against_mirror(state, mirror: HostBlockMirror):
+    num_free = int(state.num_free)
+    assert num_free == mirror.num_free
+    assert list(np.asarray(state.free_stack[:num_free])) == mirror.free_stack
+    np.testing.assert_array_equal(np.asarray(state.refcounts), mirror.refcounts)
+    np.testing.assert_array_equal(np.asarray(state.seq_lens), mirror.seq_lens)
+    tables = np.asarray(state.block_tables)
+    for seq_id in range(MAX_SEQS):
+        assert list(tables[seq_id]) == mirror.padded_table(seq_id)
+
+
+def check_invariants(state):
+    refcounts = np.asarray(state.refcounts)
+    num_free = int(state.num_free)
+    free = np.asarray(state.free_stack[:num_free])
+    assert len(set(free.tolist())) == num_free, "a block is on the free stack twice"
+    assert kv_cache.SINK_BLOCK not in free
+    assert np.all(refcounts[free] == 0), "a free block is referenced"
+    owners = np.zeros(NUM_BLOCKS, np.int64)
+    tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
+    for seq_id in range(MAX_SEQS):
+        num_owned = -(-int(lens[seq_id]) // BLOCK_SIZE)
+        owners[tables[seq_id, :num_owned]] += 1
+        # At most one partly filled block: exactly ceil(len / S) entries, the rest is the sink.
+        assert np.all(tables[seq_id, num_owned:] == kv_cache.SINK_BLOCK)
+    owners[kv_cache.SINK_BLOCK] = 1
+    np.testing.assert_array_equal(owners, refcounts)  # shared exactly as often as counted
+    assert num_free + int(np.sum(refcounts[1:] > 0)) == NUM_BLOCKS - 1
+
+
+def check_contents(cache, state, histories):
+    """Every live sequence reads back its own token values through its block table."""
+    pages = np.asarray(cache.k_pages[0])[0, :, :, 0].reshape(-1)
+    tables, lens = np.asarray(state.block_tables), np.asarray(state.seq_lens)
+    for seq_id, history in histories.items():
+        positions = np.arange(lens[seq_id])
+        slots = tables[seq_id, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        np.testing.assert_array_equal(pages[slots], history, err_msg=f"seq {seq_id}")
+
+
+@functools.cache
+def initial_state_and_cache():
+    """Immutable, so every example can start from the same objects."""
+    return (memory.init_state(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS),
+            kv_cache.init_cache(1, 1, NUM_BLOCKS, BLOCK_SIZE, 1, jnp.float32))
+
+
+def run_operations(operations):
+    state, cache = initial_state_and_cache()
+    mirror = HostBlockMirror(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS)
+    histories: dict[int, list[float]] = {}
+    next_value = 1.0
+    for kind, args in operations:
+        before = state
+        if kind == "append":
+            seq_ids = padded([s for s, _ in args], -1)
+            counts = padded([n for _, n in args], 0)
+            state, result = append_jit(state, jnp.asarray(seq_ids), jnp.asarray(counts))
+            result = jax.device_get(result)
+            ok, slots, copies = mirror.append(list(zip(seq_ids.tolist(), counts.tolist())))
+            assert bool(result.ok) == ok
+            device_slots = np.asarray(result.slot_mapping)
+            for row, expected in enumerate(slots):
+                assert list(device_slots[row, :len(expected)]) == expected
+                assert np.all(device_slots[row, len(expected):] == kv_cache.PAD_SLOT)
+                want = [-1, -1] if copies[row] is None else list(copies[row])
+                assert list(np.asarray(result.copies[row])) == want
+            if not ok:
+                # Out of blocks (or table full): reported, and nothing changed.
+                jax.tree.map(np.testing.assert_array_equal, state, before)
+                assert int(result.num_blocks_needed) > int(state.num_free) or any(
+                    -(-(int(before.seq_lens[s]) + n) // BLOCK_SIZE) > MAX_BLOCKS for s, n in args)
+                continue
+            values = np.zeros((ROWS, MAX_TOKENS), np.float32)
+            for row, (seq_id, count) in enumerate(args):
+                values[row, :count] = np.arange(next_value, next_value + count)
+                histories.setdefault(seq_id, []).extend(values[row, :count].tolist())
+                next_value += count
+            cache = write_and_copy(cache, result.copies, result.slot_mapping, jnp.asarray(values))
+        elif kind == "fork":
+            parent, child = args
+            if child == parent or int(state.seq_lens[child]) != 0:
+                continue  # the engine forks only into empty sequences
+            state = fork_jit(state, jnp.asarray(padded([parent], 0)),
+                             jnp.asarray(padded([child], -1)))
+            mirror.fork([(parent, child)])
+            if parent in histories:
+                histories[child] = list(histories[parent])
+        else:
+            state = free_jit(state, jnp.asarray(padded(args, -1)))
+            mirror.free(args)
+            for seq_id in args:
+                histories.pop(seq_id, None)
+        host_state = jax.device_get(state)
+        check_against_mirror(host_state, mirror)
+        check_invariants(host_state)
+        check_contents(cache, host_state, histories)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, min_size=1, max_size=14))
+def test_random_operations_match_mirror_and_keep_invariants(operations):
+    run_operations(operations)
+
+
+def test_out_of_blocks_is_reported_and_state_unchanged():
+    state = memory.init_state(4, 4, 2, 4)
+    state, result = memory.allocate_prompt(state, jnp.array([0]), jnp.array([12]),
+                                           max_prompt_len=16)
+    assert bool(result.ok) and int(state.num_free) == 0
+    after, result = memory.allocate_prompt(state, jnp.array([1]), jnp.array([1]),
+                                           max_prompt_len=16)
+    assert not bool(result.ok)
+    assert int(result.num_blocks_needed) == 1
+    assert np.all(np.asarray(result.slot_mapping) == kv_cache.PAD_SLOT)
+    jax.tree.map(np.testing.assert_array_equal, after, state)
+
+
+def test_append_crosses_block_boundary_only_when_full():
+    state = memory.init_state(8, 4, 2, 4)
+    state, result = memory.allocate_prompt(state, jnp.array([0]), jnp.array([3]),
+                                           max_prompt_len=4)
+    assert np.asarray(result.slot_mapping)[0, :3].tolist() == [4, 5, 6]  # block 1
+    state, slots, _, ok = memory.append_one(state, jnp.array([0]))
+    assert bool(ok) and int(slots[0]) == 7 and int(state.num_free) == 6
+    state, slots, _, ok = memory.append_one(state, jnp.array([0]))
+    assert bool(ok) and int(slots[0]) == 8 and int(state.num_free) == 5  # block 2, offset 0
+
+
+def test_fork_then_copy_on_write_copies_only_the_written_block():
+    state = memory.init_state(8, 4, 3, 4)
+    state, _ = memory.allocate_prompt(state, jnp.array([0]), jnp.array([6]), max_prompt_len=8)
+    state = memory.fork_seqs(state, jnp.array([0, 0]), jnp.array([1, 2]))
+    assert np.asarray(state.refcounts)[[1, 2]].tolist() == [3, 3]
+    # All three write into the shared partial block 2: two copy, the last holder writes in place.
+    state, slots, copies, ok = memory.append_one(state, jnp.array([0, 1, 2]))
+    assert bool(ok)
+    assert np.asarray(copies).tolist() == [[2, 3], [2, 4], [-1, -1]]
+    assert np.asarray(state.refcounts)[[1, 2, 3, 4]].tolist() == [3, 1, 1, 1]
+    assert np.asarray(slots).tolist() == [3 * 4 + 2, 4 * 4 + 2, 2 * 4 + 2]
+
+
+def test_padding_rows_touch_nothing():
+    state = memory.init_state(8, 4, 2, 4)
+    after, result = memory.allocate_prompt(state, jnp.array([-1, -1]), jnp.array([5, 3]),
+                                           max_prompt_len=8)
+    assert bool(result.ok)
+    assert np.all(np.asarray(result.slot_mapping) == kv_cache.PAD_SLOT)
+    jax.tree.map(np.testing.assert_array_equal, after, state)
+    jax.tree.map(np.testing.assert_array_equal, memory.free_seqs(state, jnp.array([-1])), state)
+
+
+def test_functions_run_inside_fori_loop():
+    """Allocation inside a device loop: 10 decode steps of two sequences in one fori_loop."""
+    state = memory.init_state(16, 4, 2, 8)
+    state, _ = memory.allocate_prompt(state, jnp.array([0, 1]), jnp.array([3, 4]),
+                                      max_prompt_len=4)
+
+    def body(_, carry):
+        new_state, _, _, ok = memory.append_one(carry[0], jnp.array([0, 1]))
+        return new_state, carry[1] & ok
+
+    state, all_ok = jax.jit(lambda s: jax.lax.fori_loop(0, 10, body, (s, jnp.bool_(True))))(state)
+    assert bool(all_ok)
+    assert np.asarray(state.seq_lens).tolist() == [13, 14]
+    assert int(state.num_free) == 15 - 4 - 4
+
+
+@pytest.mark.parametrize("bad", [dict(num_blocks=1), dict(block_size=0), dict(max_seqs=0)])
+def test_init_validates(bad):
+    args = dict(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        memory.init_state(**args)
