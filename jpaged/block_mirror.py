@@ -6,8 +6,6 @@ and the free count before the device has run. Tests hold the device functions to
 for block id.
 """
 
-import numpy as np
-
 from jpaged.kv_cache import PAD_SLOT, SINK_BLOCK
 
 
@@ -19,10 +17,11 @@ class HostBlockMirror:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.num_blocks = num_blocks
         self.free_stack = list(range(num_blocks - 1, 0, -1))   # top = end of list
-        self.refcounts = np.zeros(num_blocks, np.int64)
+        # Plain lists: numpy scalar indexing would cost more than the arithmetic here.
+        self.refcounts = [0] * num_blocks
         self.refcounts[SINK_BLOCK] = 1
         self.tables: list[list[int]] = [[] for _ in range(max_seqs)]
-        self.seq_lens = np.zeros(max_seqs, np.int64)
+        self.seq_lens = [0] * max_seqs
 
     @property
     def num_free(self) -> int:
@@ -38,11 +37,11 @@ class HostBlockMirror:
         for seq_id, count in rows:
             if seq_id < 0 or count == 0:
                 continue
-            old_len = int(self.seq_lens[seq_id])
+            old_len = self.seq_lens[seq_id]
             total += -(-(old_len + count) // size) - (-(-old_len // size))
             if old_len % size:
                 last = self.tables[seq_id][-1]
-                remaining = holders.get(last, int(self.refcounts[last]))
+                remaining = holders.get(last, self.refcounts[last])
                 if remaining > 1:
                     total += 1
                     holders[last] = remaining - 1
@@ -54,7 +53,7 @@ class HostBlockMirror:
         Returns (ok, slots per row, copies as (src, dst) per row or None). All or nothing.
         """
         total = self.blocks_needed(rows)
-        fits = all(-(-(int(self.seq_lens[s]) + n) // self.block_size) <= self.max_blocks_per_seq
+        fits = all(-(-(self.seq_lens[s] + n) // self.block_size) <= self.max_blocks_per_seq
                    for s, n in rows if s >= 0)
         if total > self.num_free or not fits:
             return False, [[] for _ in rows], [None for _ in rows]
@@ -66,7 +65,7 @@ class HostBlockMirror:
                 continue
             copy = None
             table = self.tables[seq_id]
-            old_len = int(self.seq_lens[seq_id])
+            old_len = self.seq_lens[seq_id]
             if count and old_len % self.block_size and self.refcounts[table[-1]] > 1:
                 fresh = self.free_stack.pop()
                 copy = (table[-1], fresh)
