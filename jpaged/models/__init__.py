@@ -1,0 +1,8 @@
+"""Llama-family models over the paged KV cache, and their Hugging Face loader."""
+
+from jpaged.models.attention import AttentionMetadata, paged_attention
+from jpaged.models.llama import LlamaForCausalLM
+from jpaged.models.loader import load_model, load_tokenizer
+
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "load_model", "load_tokenizer",
+           "paged_attention"]

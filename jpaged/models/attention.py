@@ -1,0 +1,68 @@
+"""Paged attention as the model sees it: per-step metadata and the one call into pallas_kernels.
+
+This is the only model module that imports `pallas_kernels`. The kernel is picked by
+`AttentionMetadata.backend`; today only the plain-jnp reference exists, and when the dispatching
+kernels land the switch is the `_attend` function below.
+"""
+
+import dataclasses
+
+import jax
+
+from pallas_kernels import reference
+
+BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens live in the paged cache (shared by every layer).
+
+    Data fields (traced):
+      slot_mapping:    [T] int32, cache slot (block * S + offset) each token's K/V is written to;
+                       -1 marks a padded token whose write is dropped.
+      block_tables:    [B, M] int32, physical block of each sequence's logical blocks; unused
+                       entries are 0 (the sink block).
+      context_lens:    [B] int32, tokens in the cache for each sequence including this step's.
+      query_start_loc: [B+1] int32, sequence b owns query rows query_start_loc[b]:[b+1]; rows past
+                       query_start_loc[B] are padding.
+    Static fields (part of the compiled step's cache key):
+      is_decode: every sequence has exactly one query and row b of q is sequence b (T == B), so
+                 the decode kernel runs; query_start_loc is then unused.
+      backend:   "reference" | "pallas_gpu" | "pallas_tpu".
+      interpret: run Pallas kernels in interpret mode (CPU tests).
+    """
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    query_start_loc: jax.Array
+    is_decode: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float):
+    """q [T, H, D] attends causally to its sequences' cached keys/values -> [T, H, D] in q.dtype.
+
+    k_pages, v_pages: one layer's pages [K, N, S, D], already holding this step's K/V.
+    Padded query rows come back as zeros. Softmax runs in float32.
+    """
+    return _attend(q, k_pages, v_pages, metadata, scale)
+
+
+def _attend(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float):
+    """The single place that binds a kernel implementation."""
+    if metadata.backend != "reference":
+        raise ValueError(f"attention backend {metadata.backend!r} is not available yet; "
+                         "use backend='reference'")
+    if metadata.is_decode:
+        return reference.paged_attention_decode(
+            q, k_pages, v_pages, metadata.block_tables, metadata.context_lens, scale=scale)
+    return reference.paged_attention_prefill(
+        q, k_pages, v_pages, metadata.block_tables, metadata.context_lens,
+        metadata.query_start_loc, scale=scale)

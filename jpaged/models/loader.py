@@ -1,0 +1,153 @@
+"""Load a Hugging Face model directory (config.json, safetensors shards, tokenizer) without torch.
+
+Parameters are built straight from the tensors: the model is traced abstractly
+(`nnx.eval_shape`, no memory), then every variable is filled from its checkpoint tensor, one
+tensor at a time, so host memory peaks at about one tensor rather than a second copy of the model.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads it)
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+
+from jpaged.config import ModelConfig, normalize_dtype, read_eos_token_ids
+from jpaged.models.llama import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors that are safe to skip: rotary tables, which are recomputed from the config.
+# (A tied model's saved `lm_head.weight`, a copy of the embedding, is skipped too.)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(model_dir, *, dtype="auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """(model, config) from a Hugging Face directory; dtype "auto" = the config's torch_dtype.
+
+    config.eos_token_ids merges config.json's and generation_config.json's `eos_token_id`.
+    Raises FileNotFoundError naming a missing file, ValueError naming a bad field or tensor.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    config = ModelConfig.from_json(model_dir / "config.json")
+    config = dataclasses.replace(config, eos_token_ids=_merged_eos_ids(model_dir, config))
+    dtype = jnp.dtype(config.torch_dtype if dtype == "auto" else normalize_dtype(dtype))
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    wanted = {_param_name(path): (path, var) for path, var in nnx.to_flat_state(abstract_state)}
+    tensor_files = _tensor_files(model_dir)
+    _check_names(wanted, tensor_files, config, model_dir)
+    return nnx.merge(graphdef, _read_state(wanted, tensor_files)), config
+
+
+def load_tokenizer(model_dir):
+    """The `tokenizers.Tokenizer` from tokenizer.json, or None when the directory has none."""
+    import tokenizers
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"{path}: cannot be read as a tokenizer ({err})") from err
+
+
+def _param_name(path) -> str:
+    """nnx state path ('model', 'layers', 0, 'mlp', 'up_proj', 'weight') -> HF tensor name."""
+    return ".".join(str(part) for part in path)
+
+
+def _merged_eos_ids(model_dir: Path, config: ModelConfig) -> tuple:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return config.eos_token_ids
+    try:
+        generation_eos = read_eos_token_ids(json.loads(path.read_text()).get("eos_token_id"))
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: cannot read eos_token_id ({err})") from err
+    return tuple(dict.fromkeys(config.eos_token_ids + generation_eos))
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Every checkpoint tensor name -> the safetensors file holding it."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{index_path}: not a safetensors index ({err!r})") from err
+        for shard in sorted(set(weight_map.values())):
+            if not (model_dir / shard).is_file():
+                raise FileNotFoundError(f"shard {shard} named in {index_path} not found")
+        return {name: model_dir / shard for name, shard in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} "
+                                "(only safetensors checkpoints are supported)")
+    with _open(single) as reader:
+        return {name: single for name in reader.keys()}
+
+
+def _check_names(wanted: dict, tensor_files: dict, config: ModelConfig, model_dir: Path):
+    missing = sorted(set(wanted) - set(tensor_files))
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s) the "
+                         f"{config.architecture} config needs, e.g. {missing[:5]}")
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = sorted(name for name in set(tensor_files) - set(wanted)
+                        if name not in ignorable and not name.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise ValueError(f"checkpoint {model_dir} has {len(unexpected)} tensor(s) the "
+                         f"{config.architecture} config does not use (wrong config?), "
+                         f"e.g. {unexpected[:5]}")
+
+
+def _read_state(wanted: dict, tensor_files: dict):
+    """The filled nnx state: each file opened once, each tensor read, cast and put on device."""
+    loaded = []
+    for file, names in _group_by_file(tensor_files, wanted).items():
+        with _open(file) as reader:
+            present = set(reader.keys())
+            for name in names:
+                path, var = wanted[name]
+                if name not in present:
+                    raise ValueError(f"{file}: tensor {name}, listed in the index, is not in it")
+                array = _read_tensor(reader, name, file, var.get_value())
+                loaded.append((path, var.replace(jax.device_put(array))))
+    return nnx.from_flat_state(loaded)
+
+
+def _group_by_file(tensor_files: dict, wanted: dict) -> dict[Path, list[str]]:
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(wanted):
+        by_file.setdefault(tensor_files[name], []).append(name)
+    return by_file
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{file}: not a readable safetensors file ({err})") from err
+
+
+def _read_tensor(reader, name: str, file: Path, expected: jax.ShapeDtypeStruct) -> np.ndarray:
+    """One tensor, shape-checked before it is read, cast to the parameter dtype on the host."""
+    shape = tuple(reader.get_slice(name).get_shape())
+    if shape != tuple(expected.shape):
+        raise ValueError(f"{file}: tensor {name} has shape {shape}, the config implies "
+                         f"{tuple(expected.shape)}")
+    try:
+        array = reader.get_tensor(name)
+    except SafetensorError as err:
+        raise ValueError(f"{file}: cannot read tensor {name} ({err})") from err
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ValueError(f"{file}: tensor {name} has dtype {array.dtype}, expected floating point")
+    return array.astype(expected.dtype, copy=False)

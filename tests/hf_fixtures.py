@@ -1,0 +1,159 @@
+"""Tiny random Hugging Face checkpoints, written with transformers (torch CPU) via save_pretrained.
+
+Every builder writes one model directory and returns nothing; `build_all(root)` writes them all
+under root and returns {name: directory}. Weights are random but every parameter is perturbed
+(biases non-zero, norm weights away from one) so a mis-loaded tensor changes the logits.
+"""
+
+import json
+from pathlib import Path
+
+VOCAB_SIZE = 320
+BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.08,
+               bos_token_id=0, eos_token_id=1)
+_TOKENIZER_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "PagedAttention stores the KV cache in fixed-size blocks.",
+    "JAX compiles the whole step; the scheduler stays on the host.",
+    "Hello, world! Hello, jpaged. 0123456789",
+]
+
+
+def _perturb(model, seed: int):
+    """Re-draw biases and norm weights so they matter (transformers inits them to 0 and 1)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            elif "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+
+
+def _save(model_cls, config, out_dir: Path, *, seed: int, dtype=None, **save_kwargs):
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    _perturb(model, seed)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(out_dir, **save_kwargs)
+
+
+def build_llama_mha(out_dir: Path):
+    """Llama 2 shape: multi-head attention (K == H), default RoPE."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **_COMMON)
+    _save(LlamaForCausalLM, config, out_dir, seed=1)
+
+
+def build_llama_gqa(out_dir: Path):
+    """Llama 3.1 shape: GQA, llama3 RoPE scaling, eos list, and a byte-level BPE tokenizer.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=32)
+    common = dict(_COMMON, eos_token_id=[1, 2])
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
+                         **common)
+    _save(LlamaForCausalLM, config, out_dir, seed=2)
+    write_tokenizer(out_dir)
+
+
+def build_mistral(out_dir: Path):
+    """Mistral: GQA, no biases, a sliding window shorter than max_position_embeddings."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(num_attention_heads=4, num_key_value_heads=2,
+                           **dict(_COMMON, max_position_embeddings=128), sliding_window=64)
+    _save(MistralForCausalLM, config, out_dir, seed=3)
+
+
+def build_qwen2(out_dir: Path):
+    """Qwen2: q/k/v bias (no o_proj bias), tied input/output embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         **_COMMON)
+    _save(Qwen2ForCausalLM, config, out_dir, seed=4)
+
+
+def build_llama_head_dim(out_dir: Path):
+    """Explicit head_dim (32) != hidden_size / heads (16); Llama attention and MLP biases on."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         attention_bias=True, mlp_bias=True, **_COMMON)
+    _save(LlamaForCausalLM, config, out_dir, seed=5)
+
+
+def build_llama_sharded(out_dir: Path):
+    """A Llama split over several safetensors files plus model.safetensors.index.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **_COMMON)
+    _save(LlamaForCausalLM, config, out_dir, seed=6, max_shard_size="100KB")
+
+
+def build_llama_bf16(out_dir: Path):
+    """A GQA Llama saved in bfloat16 (config dtype bfloat16)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **_COMMON)
+    _save(LlamaForCausalLM, config, out_dir, seed=7, dtype=torch.bfloat16)
+
+
+def write_tokenizer(out_dir: Path):
+    """Train a byte-level BPE (VOCAB_SIZE tokens, <s>=0, </s>=1) and write tokenizer.json.
+
+    Encoding prepends <s>, as Llama tokenizers do; tokenizer_config.json names the specials.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS_TOKEN, EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(_TOKENIZER_TEXTS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, 0)])
+    assert tokenizer.get_vocab_size() <= VOCAB_SIZE
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+BUILDERS = {
+    "llama_mha": build_llama_mha,
+    "llama_gqa": build_llama_gqa,
+    "mistral": build_mistral,
+    "qwen2": build_qwen2,
+    "llama_head_dim": build_llama_head_dim,
+    "llama_sharded": build_llama_sharded,
+    "llama_bf16": build_llama_bf16,
+}
+FLOAT32_CHECKPOINTS = tuple(name for name in BUILDERS if name != "llama_bf16")
+
+
+def build_all(root) -> dict[str, str]:
+    """Write every checkpoint under root/<name>; returns {name: directory path}."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    paths = {}
+    for name, build in BUILDERS.items():
+        out_dir = Path(root) / name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        build(out_dir)
+        paths[name] = str(out_dir)
+    return paths

@@ -1,0 +1,159 @@
+"""Loading Hugging Face directories without torch, and the errors that name what is wrong."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jpaged.models import load_model, load_tokenizer
+from jpaged.models.loader import _param_name
+
+
+@pytest.fixture
+def copy_checkpoint(hf_checkpoints, tmp_path):
+    """copy_checkpoint(name) -> a private copy of a fixture checkpoint that a test may break."""
+    def copy(name):
+        return shutil.copytree(hf_checkpoints[name], tmp_path / name)
+    return copy
+
+
+def _edit_tensors(path, edit):
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_sharded_checkpoint_loads_every_tensor_exactly(hf_checkpoints):
+    directory = hf_checkpoints["llama_sharded"]
+    index = json.load(open(f"{directory}/model.safetensors.index.json"))["weight_map"]
+    assert len(set(index.values())) > 1
+    tensors = {}
+    for shard in set(index.values()):
+        tensors.update(load_file(f"{directory}/{shard}"))
+    model, config = load_model(directory)
+    state = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    assert {_param_name(path) for path, _ in state} == set(tensors)
+    for path, var in state:
+        np.testing.assert_array_equal(np.asarray(var[...]), tensors[_param_name(path)])
+    assert config.architecture == "LlamaForCausalLM" and config.num_hidden_layers == 2
+
+
+def test_dtype_override_and_bad_dtype(hf_checkpoints):
+    model, config = load_model(hf_checkpoints["qwen2"], dtype="bf16")
+    assert model.model.embed_tokens.weight[...].dtype == jnp.bfloat16
+    assert config.torch_dtype == "float32"  # the checkpoint's dtype; the model's is model.dtype
+    with pytest.raises(ValueError, match="int8"):
+        load_model(hf_checkpoints["qwen2"], dtype="int8")
+
+
+def test_eos_ids_merge_config_and_generation_config(copy_checkpoint):
+    directory = copy_checkpoint("llama_gqa")
+    assert load_model(directory)[1].eos_token_ids == (1, 2)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert load_model(directory)[1].eos_token_ids == (1, 2, 7)
+
+
+def test_tokenizer_round_trip_and_absent(hf_checkpoints):
+    tokenizer = load_tokenizer(hf_checkpoints["llama_gqa"])
+    ids = tokenizer.encode("Hello, paged world!").ids
+    assert ids[0] == 0 and max(ids) < 320  # <s> prepended; ids fit the model's vocab
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Hello, paged world!"
+    assert load_tokenizer(hf_checkpoints["llama_mha"]) is None
+
+
+def test_corrupt_tokenizer_names_file(copy_checkpoint):
+    directory = copy_checkpoint("llama_gqa")
+    (directory / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_tokenizer(directory)
+
+
+def test_missing_directory_and_config(copy_checkpoint, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_model(tmp_path / "nowhere")
+    directory = copy_checkpoint("llama_mha")
+    (directory / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(directory)
+
+
+def test_missing_weights_file(copy_checkpoint):
+    directory = copy_checkpoint("llama_mha")
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(directory)
+
+
+def test_missing_shard_named_in_index(copy_checkpoint):
+    directory = copy_checkpoint("llama_sharded")
+    (directory / "model-00002-of-00005.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00005.safetensors"):
+        load_model(directory)
+
+
+def test_index_pointing_to_wrong_shard_names_tensor(copy_checkpoint):
+    directory = copy_checkpoint("llama_sharded")
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, shard in index["weight_map"].items() if shard == shards[0])
+    index["weight_map"][name] = shards[1]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"{shards[1]}.*{name}"):
+        load_model(directory)
+
+
+def test_wrong_tensor_shape_names_tensor(copy_checkpoint):
+    directory = copy_checkpoint("llama_mha")
+    name = "model.layers.1.self_attn.k_proj.weight"
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({name: np.zeros((60, 64), np.float32)}))
+    with pytest.raises(ValueError, match=rf"{name}.*\(60, 64\).*\(64, 64\)"):
+        load_model(directory)
+
+
+def test_missing_tensor_names_tensor(copy_checkpoint):
+    directory = copy_checkpoint("llama_mha")
+    _edit_tensors(directory / "model.safetensors", lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_model(directory)
+
+
+def test_unexpected_tensor_names_tensor(copy_checkpoint):
+    directory = copy_checkpoint("mistral")  # Mistral has no o_proj bias: a stray one is an error
+    name = "model.layers.0.self_attn.o_proj.bias"
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({name: np.zeros(64, np.float32)}))
+    with pytest.raises(ValueError, match=name):
+        load_model(directory)
+
+
+def test_tied_checkpoint_with_saved_lm_head_loads(copy_checkpoint):
+    directory = copy_checkpoint("qwen2")
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"]}))
+    model, _ = load_model(directory)
+    assert model.lm_head is None
+
+
+def test_unsupported_architecture_names_field(copy_checkpoint):
+    directory = copy_checkpoint("llama_mha")
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="architectures.*GPT2LMHeadModel"):
+        load_model(directory)
+
+
+@pytest.mark.parametrize("corruption", ["garbage", "truncated"])
+def test_corrupt_safetensors_names_file(copy_checkpoint, corruption):
+    directory = copy_checkpoint("llama_mha")
+    path = directory / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(b"\x00garbage" * 8 if corruption == "garbage" else data[:len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(directory)
