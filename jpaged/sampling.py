@@ -1,0 +1,306 @@
+"""Sampling parameters (validated on the host) and the batched, batch-invariant on-device sampler.
+
+Axes: B batch rows (one per sequence), V vocabulary, L number of top logprobs (static).
+
+Randomness: row b draws its Gumbel noise from
+    fold_in(fold_in(PRNGKey(seed[b]), sample_index[b]), position[b])
+so a seeded request's tokens depend only on its seed, which of its n samples the row is, and the
+position being sampled: not on the batch size, the row index, the other rows, how many decode
+steps run per host call, or whether the sequence was preempted and recomputed. (Checked bit for
+bit on an H200 for batches of 5 to 512 rows, logprobs included.)
+
+Cost of `sample` on an H200, V = 128256, in ms (B = 64 / 512): greedy 0.13 / 0.34, temperature or
+min-p 0.27 / 0.93, top-p or top-k 1.1-1.3 / 3.7 (an int32 radix sort of every row dominates).
+"""
+
+import dataclasses
+import functools
+import math
+import numbers
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy (argmax), as in vLLM
+SEED_MODULUS = 2**32       # device seeds are uint32: seeds equal modulo 2**32 give the same stream
+
+
+def _check_int(name: str, value, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_stop(stop) -> tuple[str, ...]:
+    strings = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(strings, (list, tuple)) or not all(
+            isinstance(s, str) and s for s in strings):
+        raise ValueError(f"stop must be a non-empty str or a list of non-empty str, got {stop!r}")
+    return tuple(strings)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request: vLLM's names and defaults, validated eagerly.
+
+    Every invalid value raises ValueError naming the parameter. After construction `stop` is a
+    tuple of str and `stop_token_ids` a tuple of int (both possibly empty), so instances are
+    hashable. A temperature below GREEDY_TEMPERATURE (e.g. 0) means greedy decoding. `seed=None`
+    means the engine draws one (see `request_seed`). `logprobs=k` asks for the k most likely
+    tokens' logprobs at each step (0: only the chosen token's).
+    """
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        fields = {
+            "n": _check_int("n", self.n, minimum=1),
+            "temperature": _check_float("temperature", self.temperature),
+            "top_p": _check_float("top_p", self.top_p),
+            "top_k": _check_int("top_k", self.top_k, minimum=-1),
+            "min_p": _check_float("min_p", self.min_p),
+            "seed": None if self.seed is None else _check_int("seed", self.seed),
+            "max_tokens": _check_int("max_tokens", self.max_tokens, minimum=1),
+            "stop": _check_stop(self.stop),
+            "stop_token_ids": self._checked_stop_token_ids(),
+            "logprobs": (None if self.logprobs is None
+                         else _check_int("logprobs", self.logprobs, minimum=0)),
+        }
+        if fields["temperature"] < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < fields["top_p"] <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if fields["top_k"] == 0:
+            raise ValueError(f"top_k must be -1 (off) or at least 1, got {self.top_k!r}")
+        if not 0 <= fields["min_p"] <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if fields["logprobs"] is not None and fields["logprobs"] > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def _checked_stop_token_ids(self) -> tuple[int, ...]:
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}")
+        return tuple(_check_int("stop_token_ids", i, minimum=0) for i in ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def request_seed(params: SamplingParams, rng: np.random.Generator) -> int:
+    """The seed a request samples with: `params.seed` if given, else one drawn from `rng`.
+
+    `rng` is the engine's generator (e.g. `np.random.default_rng(LLM(seed=...))`), so unseeded
+    requests are still reproducible for the same engine seed and arrival order. It is drawn from
+    only for unseeded requests. Returns an int in [0, 2**32).
+    """
+    if params.seed is not None:
+        return params.seed % SEED_MODULUS
+    return int(rng.integers(0, SEED_MODULUS, dtype=np.uint64))
+
+
+class SamplingRow(NamedTuple):
+    """One sequence's entry in a batch, as the runner knows it on the host."""
+    params: SamplingParams
+    seed: int          # the request's seed (`request_seed`); any int, reduced modulo 2**32
+    sample_index: int  # which of the request's n samples this sequence is, in [0, n)
+    position: int      # absolute position of the token being sampled (tokens before it)
+
+
+_PAD_ROW = dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, sample_index=0,
+                position=0)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["temperature", "top_k", "top_p", "min_p", "seeds",
+                                "sample_indices", "positions"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling settings for one batch; all leaves are [B].
+
+    Rows with temperature < GREEDY_TEMPERATURE are greedy and ignore the other settings.
+    `top_k` of -1 (or >= V) and `top_p` of 1 turn those filters off. In a multi-step loop, advance
+    with `dataclasses.replace(t, positions=t.positions + 1)`.
+    """
+    temperature: jax.Array     # [B] float32
+    top_k: jax.Array           # [B] int32; -1 or >= V: off
+    top_p: jax.Array           # [B] float32 in (0, 1]; 1: off
+    min_p: jax.Array           # [B] float32 in [0, 1]; 0: off
+    seeds: jax.Array           # [B] uint32
+    sample_indices: jax.Array  # [B] int32
+    positions: jax.Array       # [B] int32
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow], batch_size: int | None = None
+                  ) -> "SamplingTensors":
+        """Numpy-backed tensors for `rows`, padded with greedy rows up to `batch_size`.
+
+        Move them to the device with one `jax.device_put(tensors)`. `batch_size` defaults to
+        len(rows); a batch_size below len(rows) raises ValueError.
+        """
+        batch_size = len(rows) if batch_size is None else batch_size
+        if batch_size < len(rows):
+            raise ValueError(f"batch_size must be at least len(rows)={len(rows)}, "
+                             f"got {batch_size}")
+        columns = {name: [value] * batch_size for name, value in _PAD_ROW.items()}
+        for i, row in enumerate(rows):
+            greedy = row.params.is_greedy  # greedy rows: filters off, so no sort is triggered
+            columns["temperature"][i] = 0.0 if greedy else row.params.temperature
+            columns["top_k"][i] = -1 if greedy else row.params.top_k
+            columns["top_p"][i] = 1.0 if greedy else row.params.top_p
+            columns["min_p"][i] = 0.0 if greedy else row.params.min_p
+            columns["seed"][i] = row.seed % SEED_MODULUS
+            columns["sample_index"][i] = row.sample_index
+            columns["position"][i] = row.position
+        return cls(
+            temperature=np.asarray(columns["temperature"], np.float32),
+            top_k=np.asarray(columns["top_k"], np.int32),
+            top_p=np.asarray(columns["top_p"], np.float32),
+            min_p=np.asarray(columns["min_p"], np.float32),
+            seeds=np.asarray(columns["seed"], np.uint32),
+            sample_indices=np.asarray(columns["sample_index"], np.int32),
+            positions=np.asarray(columns["position"], np.int32),
+        )
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["token_ids", "logprobs", "top_ids", "top_logprobs"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """What the sampler returns for a batch. Logprobs are log_softmax of the raw logits."""
+    token_ids: jax.Array     # [B] int32 chosen tokens
+    logprobs: jax.Array      # [B] float32 logprob of each chosen token
+    top_ids: jax.Array       # [B, L] int32 the L most likely tokens, most likely first
+    top_logprobs: jax.Array  # [B, L] float32 their logprobs, descending
+
+
+def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
+           ) -> SamplerOutput:
+    """Pick one token per row of `logits: [B, V]`; jit-friendly with `num_logprobs` (L) static.
+
+    Greedy rows take the argmax. Other rows divide by temperature, keep the top_k tokens, then
+    the nucleus (the fewest most-likely tokens whose probability, renormalised over the top-k
+    set, reaches top_p; the top token always stays), then drop tokens with probability below
+    min_p times the top token's, and draw from what is left with the Gumbel-max trick. Tokens
+    tied with a threshold value are kept. A batch of only greedy rows draws no noise, and a batch
+    where no sampled row uses top_k or top_p skips the sort.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
+    if tensors.temperature.shape != logits.shape[:1]:
+        raise ValueError(f"tensors must have one row per logits row ({logits.shape[0]}), "
+                         f"got temperature shape {tensors.temperature.shape}")
+    if not 0 <= num_logprobs <= logits.shape[1]:
+        raise ValueError(f"num_logprobs must be in [0, V={logits.shape[1]}], got {num_logprobs}")
+    logits = logits.astype(jnp.float32)
+    is_greedy = tensors.temperature < GREEDY_TEMPERATURE                     # [B]
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)               # [B]
+    token_ids = lax.cond(
+        jnp.all(is_greedy),
+        lambda: greedy_ids,
+        lambda: jnp.where(is_greedy, greedy_ids, _sample_random(logits, tensors, is_greedy)))
+    # logprob = logit - logsumexp(logits): no [B, V] log_softmax is materialised.
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)                       # [B]
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_normalizer
+    top_logits, top_ids = _top_logits(logits, num_logprobs)                  # [B, L]
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids,
+                         top_logprobs=top_logits - log_normalizer[:, None])
+
+
+def _top_logits(logits: jax.Array, num_logprobs: int) -> tuple[jax.Array, jax.Array]:
+    """([B, L] float32 largest logits, descending; [B, L] int32 their token ids).
+
+    On the GPU XLA's top-k kernel covers k <= 16; a larger L falls back to a full sort (H200,
+    [512, 128256]: about 1 ms for L = 5, 5 ms for L = 20).
+    """
+    if num_logprobs == 0:
+        batch_size = logits.shape[0]
+        return jnp.zeros((batch_size, 0), jnp.float32), jnp.zeros((batch_size, 0), jnp.int32)
+    top_logits, top_ids = lax.top_k(logits, num_logprobs)
+    return top_logits, top_ids.astype(jnp.int32)
+
+
+def row_keys(tensors: SamplingTensors) -> jax.Array:
+    """[B] PRNG keys, one per row, from (seed, sample_index, position) alone."""
+    def key(seed, sample_index, position):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), sample_index),
+                                  position)
+    return jax.vmap(key)(tensors.seeds, tensors.sample_indices, tensors.positions)
+
+
+def _sample_random(logits: jax.Array, tensors: SamplingTensors, is_greedy: jax.Array
+                   ) -> jax.Array:
+    """[B] int32 tokens drawn from the filtered, temperature-scaled distribution of each row."""
+    batch_size, vocab_size = logits.shape
+    temperature = jnp.where(is_greedy, 1.0, tensors.temperature)
+    scaled = logits / temperature[:, None]                                   # [B, V]
+    is_top_k_on = (tensors.top_k > 0) & (tensors.top_k < vocab_size)
+    needs_sort = ~is_greedy & (is_top_k_on | (tensors.top_p < 1.0))
+    threshold = lax.cond(                                                    # [B]
+        jnp.any(needs_sort),
+        lambda: _top_k_top_p_threshold(scaled, jnp.where(is_top_k_on, tensors.top_k, vocab_size),
+                                       tensors.top_p),
+        lambda: jnp.full((batch_size,), -jnp.inf, jnp.float32))
+    # p >= min_p * p_max  <=>  scaled >= max(scaled) + log(min_p); log(0) = -inf keeps all.
+    min_p_floor = jnp.max(scaled, axis=-1) + jnp.log(tensors.min_p)          # [B]
+    is_kept = (scaled >= threshold[:, None]) & (scaled >= min_p_floor[:, None])
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab_size,), jnp.float32))(
+        row_keys(tensors))                                                   # [B, V]
+    return jnp.argmax(jnp.where(is_kept, scaled + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B] the smallest scaled logit each row keeps under top-k (k in [1, V]) then top-p."""
+    vocab_size = scaled.shape[-1]
+    # Sorting int32 keys is about twice as fast as sorting floats on the GPU (radix sort);
+    # ~key orders descending without a reversal.
+    sorted_desc = _from_sortable(~lax.sort(~_to_sortable(scaled), dimension=1, is_stable=False))
+    in_top_k = jnp.arange(vocab_size)[None, :] < top_k[:, None]              # [B, V]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    cumulative = jnp.cumsum(probs, axis=-1)
+    mass_before = jnp.pad(cumulative[:, :-1], ((0, 0), (1, 0)))              # exclusive cumsum
+    num_kept = jnp.sum(in_top_k & (mass_before < top_p[:, None]), axis=-1)   # >= 1
+    # top_p == 1 keeps the whole top-k set even where rounding makes the cumsum reach 1 early.
+    num_kept = jnp.where(top_p >= 1.0, top_k, num_kept)
+    return jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)[:, 0]
+
+
+def _to_sortable(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order (a bijection on non-NaN values)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _from_sortable(keys: jax.Array) -> jax.Array:
+    """Inverse of `_to_sortable`."""
+    bits = jnp.where(keys < 0, keys ^ jnp.int32(0x7FFFFFFF), keys)
+    return lax.bitcast_convert_type(bits, jnp.float32)

@@ -1,0 +1,166 @@
+"""Incremental detokenizer against a tiny byte-level BPE: deltas add up to tokenizer.decode,
+characters split across tokens come out whole, stop strings truncate and never leak."""
+
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from jpaged.detokenizer import IncrementalDetokenizer
+
+SENTENCES = ["héllo wörld ✓ this is a test", "the quick brown fox jumps over the lazy dog",
+             "日本語のテキスト 🎉 emoji", "héllo again, wörld!", "stop here. STOP. end"] * 3
+ALPHABET = "abehlorwdst .!STOPéö✓日本🎉"
+EOS = "<eos>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> tokenizers.Tokenizer:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(SENTENCES, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    # The tests below mean something only if some characters are split across tokens.
+    ids = tok.encode("✓ 日本 🎉").ids
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    return tok
+
+
+def chunked(ids, sizes):
+    """Split ids into consecutive chunks of the given sizes (cycled)."""
+    chunks, start, i = [], 0, 0
+    while start < len(ids):
+        size = sizes[i % len(sizes)] if sizes else 1
+        chunks.append(ids[start:start + size])
+        start, i = start + size, i + 1
+    return chunks
+
+
+def stream(tokenizer, ids, stop=(), sizes=(1,), prompt=()):
+    """Run a detokenizer over ids; return (detokenizer, deltas of append calls)."""
+    detok = IncrementalDetokenizer(tokenizer, list(prompt), tuple(stop))
+    deltas = []
+    for chunk in chunked(ids, list(sizes)):
+        delta, is_stopped = detok.append(chunk)
+        deltas.append(delta)
+        assert is_stopped == detok.is_stopped
+        assert tokenizer is None or detok.text.startswith("".join(deltas))
+    return detok, deltas
+
+
+texts = st.text(alphabet=ALPHABET, max_size=40)
+chunk_sizes = st.lists(st.integers(1, 4), min_size=1, max_size=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=texts, sizes=chunk_sizes, prompt=texts)
+def test_deltas_add_up_to_decode_and_characters_come_out_whole(tokenizer, text, sizes, prompt):
+    ids = tokenizer.encode(text).ids
+    detok, deltas = stream(tokenizer, ids, sizes=sizes, prompt=tokenizer.encode(prompt).ids)
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert detok.flush() == ""  # nothing was held back: no stop strings, text complete
+    assert "".join(deltas) == detok.text == tokenizer.decode(ids) == text
+    assert detok.num_tokens == len(ids) and not detok.is_stopped
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=texts, sizes=chunk_sizes, data=st.data())
+def test_a_stop_string_truncates_and_never_leaks(tokenizer, text, sizes, data):
+    stop = data.draw(st.one_of(
+        st.text(alphabet=ALPHABET, min_size=1, max_size=5),
+        st.integers(0, max(len(text) - 1, 0)).flatmap(
+            lambda start: st.integers(start + 1, start + 6).map(lambda end: text[start:end]))
+    ).filter(bool), label="stop")
+    ids = tokenizer.encode(text).ids
+    detok, deltas = stream(tokenizer, ids, stop=[stop], sizes=sizes)
+    streamed = "".join(deltas)
+    if stop in text:
+        assert detok.text == text[:text.index(stop)] and detok.stop_reason == stop
+        assert streamed == detok.text  # stopping releases everything before the stop string
+        assert detok.flush() == ""
+    else:
+        assert detok.text == text and not detok.is_stopped
+        assert streamed + detok.flush() == text
+
+
+def test_a_stop_string_spanning_split_characters(tokenizer):
+    text = "héllo wörld ✓ 日本 🎉 end"
+    ids = tokenizer.encode(text).ids
+    detok, deltas = stream(tokenizer, ids, stop=["✓ 日"])
+    assert detok.text == "héllo wörld " and "".join(deltas) == "héllo wörld "
+    stopping_token = next(n for n in range(len(ids)) if "✓ 日" in tokenizer.decode(ids[:n + 1]))
+    assert detok.num_tokens == stopping_token + 1
+
+
+def test_tokens_after_the_stop_in_the_same_call_are_ignored(tokenizer):
+    ids = tokenizer.encode("stop here. STOP. end").ids
+    detok = IncrementalDetokenizer(tokenizer, [], ("STOP",))
+    delta, is_stopped = detok.append(ids)
+    assert (delta, is_stopped, detok.text) == ("stop here. ", True, "stop here. ")
+    assert tokenizer.decode(ids[:detok.num_tokens]).endswith("STOP")
+    assert detok.append(ids) == ("", True) and detok.num_tokens < len(ids)
+
+
+def test_the_first_completed_stop_string_wins(tokenizer):
+    ids = tokenizer.encode("héllo wörld!").ids  # "llo" completes first, though it starts later
+    detok, _ = stream(tokenizer, ids, stop=["héllo wörld!", "llo"])
+    assert detok.text == "hé" and detok.stop_reason == "llo"
+    assert len(tokenizer.encode("héllo").ids) == 1  # both complete at once: the earliest start wins
+    detok, _ = stream(tokenizer, tokenizer.encode("héllo").ids, stop=["llo", "héllo"])
+    assert detok.text == "" and detok.stop_reason == "héllo"
+
+
+def test_a_possible_stop_prefix_is_held_back_then_released(tokenizer):
+    text = "héllo wörld"
+    ids = tokenizer.encode(text).ids
+    detok, deltas = stream(tokenizer, ids, stop=["wörldX"])
+    assert "".join(deltas) == "héllo " and detok.text == text  # "wörld" may still become a stop
+    assert detok.flush() == "wörld" and detok.flush() == ""
+    detok, deltas = stream(tokenizer, tokenizer.encode(text + "!").ids, stop=["wörldX"])
+    assert "".join(deltas) == text + "!"  # released as soon as it cannot match
+
+
+def test_flush_emits_an_incomplete_trailing_character(tokenizer):
+    ids = tokenizer.encode("ok €").ids[:-1]  # "€" is unseen in training: three byte tokens
+    detok, deltas = stream(tokenizer, ids)
+    assert "".join(deltas) == "ok "
+    assert "".join(deltas) + detok.flush() == tokenizer.decode(ids) == detok.text
+    assert detok.text.endswith("\ufffd")
+
+
+def test_special_tokens_are_skipped_by_default(tokenizer):
+    eos = tokenizer.token_to_id(EOS)
+    ids = tokenizer.encode("the fox").ids + [eos]
+    detok, deltas = stream(tokenizer, ids)
+    assert "".join(deltas) + detok.flush() == "the fox"
+    detok = IncrementalDetokenizer(tokenizer, [], (), skip_special_tokens=False)
+    delta, _ = detok.append(ids)
+    assert delta + detok.flush() == "the fox" + EOS
+
+
+def test_without_a_tokenizer_text_stays_empty_and_stops_never_match():
+    detok, deltas = stream(None, [1, 2, 3, 4], stop=["a"], sizes=[3])
+    assert deltas == ["", ""] and detok.text == "" and detok.flush() == ""
+    assert detok.num_tokens == 4 and not detok.is_stopped
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records how many ids each decode call sees."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.window_sizes = tokenizer, []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.window_sizes.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_each_token_decodes_a_small_window_not_the_whole_output(tokenizer):
+    ids = tokenizer.encode(" ".join(SENTENCES * 4)).ids
+    counting = CountingTokenizer(tokenizer)
+    detok, deltas = stream(counting, ids, prompt=ids[:50])
+    assert len(ids) > 500 and "".join(deltas) == tokenizer.decode(ids)
+    assert max(counting.window_sizes) <= 8 and len(counting.window_sizes) <= 2 * len(ids)
