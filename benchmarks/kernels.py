@@ -1,0 +1,297 @@
+"""Times the paged-attention kernels on a GPU: decode GB/s against the copy bandwidth, prefill TFLOP/s.
+
+Usage (on the GPU machine, from the repository root):
+    PYTHONPATH=. python3 benchmarks/kernels.py --out /tmp/kernels.md [--budget-seconds 300]
+
+Method. Every timed function is jitted with CHAIN kernel calls inside, each call's output feeding
+the next call's queries (so none can be hoisted or skipped), each call on its own block table: the
+tables of one rotation use disjoint pages of one large pool, so a call finds little of its K/V in L2.
+Time per call = median over repeats of (wall time of n dispatches, then one block) / (n * CHAIN).
+Decode bytes = K and V bytes of the cached tokens actually read + q and out. Ceilings measured in
+the same run: a 2 GiB bf16 elementwise pass (bytes read + written) and an 8192^3 bf16 matmul.
+"""
+
+import argparse
+import datetime
+import functools
+import math
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from pallas_kernels import reference
+from pallas_kernels._compat import bundled_gpu_paged_attention
+from pallas_kernels.gpu.decode import default_tiling
+
+CHAIN = 4
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, jnp.bfloat16  # Llama-3-8B-like
+DECODE_GRID = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192)]
+ISSUE_CASES = [(8, 1024), (64, 1024), (64, 4096), (256, 2048), (8, 32768)]
+# (tokens_per_step, splits multiplier, num_warps, num_stages); the first is the default tiling.
+DECODE_VARIANTS = [(None, 1, 4, 2), (128, 1, 4, 2), (32, 1, 4, 3), (64, 2, 4, 2), (64, 1, 8, 3),
+                   (64, 0.5, 4, 3)]
+PAGE_SIZE_CASE = (64, 4096)  # (B, context) also timed at S = 32, 64, 128
+REFERENCE_MAX_TOKENS = 64 * 2048  # the jnp reference materializes [B, K, M*S, D] in float32
+
+
+def median_seconds(fn, arg_sets, min_seconds=0.02, repeats=5):
+    """Median seconds per dispatch of fn over rotating arg sets (compiled and warmed first)."""
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
+
+    def run(n):
+        start = time.perf_counter()
+        for i in range(n):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    n = 1
+    while run(n) < min_seconds and n < 4096:
+        n *= 2
+    return statistics.median(run(n) / n for _ in range(repeats))
+
+
+def chained(kernel):
+    """jit(q, k_pages, v_pages, context_lens, *tables) applying kernel CHAIN times, q -> out."""
+    def run(q, k_pages, v_pages, context_lens, *tables):
+        for table in tables:
+            q = kernel(q, k_pages, v_pages, table, context_lens).astype(q.dtype)
+        return q
+    return jax.jit(run)
+
+
+def decode_setup(key, batch, context, block_size):
+    """A pool of disjoint random page sets (enough that a chain's working set is >> the 50 MB L2);
+    returns the per-dispatch argument tuples and the bytes one call must move."""
+    blocks_per_seq = context // block_size
+    set_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * jnp.dtype(DTYPE).itemsize
+    num_sets = 1 if set_bytes >= 2 ** 28 else CHAIN if set_bytes >= 2 ** 25 else 4 * CHAIN
+    num_blocks = 1 + num_sets * batch * blocks_per_seq
+    k_key, v_key, q_key = jax.random.split(key, 3)
+    shape = (NUM_KV_HEADS, num_blocks, block_size, HEAD_DIM)
+    k_pages = jax.random.normal(k_key, shape, DTYPE)
+    v_pages = jax.random.normal(v_key, shape, DTYPE)
+    q = jax.random.normal(q_key, (batch, NUM_HEADS, HEAD_DIM), DTYPE)
+    physical = np.random.default_rng(batch + context).permutation(np.arange(1, num_blocks))
+    tables = list(jnp.asarray(physical.reshape(num_sets, batch, blocks_per_seq).astype(np.int32)))
+    context_lens = jnp.full((batch,), context, jnp.int32)
+    arg_sets = [(q, k_pages, v_pages, context_lens,
+                 *(tables[(i + j) % num_sets] for j in range(CHAIN)))
+                for i in range(0, max(num_sets, CHAIN), CHAIN)]
+    return arg_sets, set_bytes + 2 * q.size * q.dtype.itemsize
+
+
+def contiguous_setup(key, batch, context):
+    """Two contiguous [B, C, K, D] K/V copies for cuDNN through jax.nn.dot_product_attention."""
+    keys = jax.random.split(key, 5)
+    shape = (batch, context, NUM_KV_HEADS, HEAD_DIM)
+    kv = [(jax.random.normal(keys[i], shape, DTYPE), jax.random.normal(keys[i + 2], shape, DTYPE))
+          for i in range(2)]
+    q = jax.random.normal(keys[4], (batch, 1, NUM_HEADS, HEAD_DIM), DTYPE)
+
+    def run(q, *kv_flat):
+        for i in range(CHAIN):
+            k, v = kv_flat[2 * (i % 2)], kv_flat[2 * (i % 2) + 1]
+            q = jax.nn.dot_product_attention(q, k, v, implementation="cudnn").astype(q.dtype)
+        return q
+    return jax.jit(run), [(q, *kv[0], *kv[1])]
+
+
+def decode_row(key, batch, context, block_size, ceiling, variants, with_peers):
+    arg_sets, num_bytes = decode_setup(key, batch, context, block_size)
+    max_context = context
+    row = {"B": batch, "context": context, "S": block_size}
+    for tokens_per_step, split_factor, num_warps, num_stages in variants:
+        step, splits = default_tiling(batch, NUM_KV_HEADS, max_context, HEAD_DIM, DTYPE)
+        tiling = dict(tokens_per_step=tokens_per_step or step, num_warps=num_warps,
+                      num_stages=num_stages, num_splits=max(1, int(splits * split_factor)))
+        name = "ours" if tokens_per_step is None else "ours " + _tiling_name(tiling)
+        fn = chained(functools.partial(pk.paged_attention_decode_gpu, **tiling))
+        row[name] = median_seconds(fn, arg_sets) / CHAIN
+        row.setdefault("tilings", {})[name] = tiling
+    if with_peers:
+        bundled = bundled_gpu_paged_attention()
+        if bundled is not None:
+            row["jax bundled"] = _try(lambda: median_seconds(chained(bundled), arg_sets) / CHAIN)
+        if batch * context <= REFERENCE_MAX_TOKENS:
+            row["reference"] = _try(lambda: median_seconds(
+                chained(reference.paged_attention_decode), arg_sets[:1]) / CHAIN)
+    row["bytes"] = num_bytes
+    row["ceiling"] = ceiling
+    return row
+
+
+def _tiling_name(tiling):
+    return "C{tokens_per_step}/sp{num_splits}/w{num_warps}/st{num_stages}".format(**tiling)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as error:  # a peer failing (OOM, unsupported) must not stop the table
+        return f"error: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
+
+
+def copy_bandwidth():
+    x = jax.random.normal(jax.random.key(0), (2 ** 30,), jnp.bfloat16)  # 2 GiB
+    seconds = median_seconds(jax.jit(lambda x: x + 1), [(x,)])
+    return 2 * x.size * x.dtype.itemsize / seconds
+
+
+def matmul_rate():
+    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+    return 2 * 8192 ** 3 / median_seconds(jax.jit(jnp.dot), [(a, b)])
+
+
+def prefill_case(key, query_lens, context_lens, block_size=16):
+    """Random pool and one ragged batch; returns (problem args, causal attention FLOPs)."""
+    query_lens, context_lens = np.asarray(query_lens), np.asarray(context_lens)
+    blocks = -(-context_lens // block_size)
+    num_blocks = 1 + int(blocks.sum())
+    shape = (NUM_KV_HEADS, num_blocks, block_size, HEAD_DIM)
+    k_key, v_key, q_key = jax.random.split(key, 3)
+    tables = np.zeros((len(blocks), blocks.max()), np.int32)
+    physical = np.random.default_rng(0).permutation(np.arange(1, num_blocks))
+    for seq, offset in enumerate(np.concatenate([[0], np.cumsum(blocks)[:-1]])):
+        tables[seq, :blocks[seq]] = physical[offset:offset + blocks[seq]]
+    q = jax.random.normal(q_key, (int(query_lens.sum()), NUM_HEADS, HEAD_DIM), DTYPE)
+    args = (q, jax.random.normal(k_key, shape, DTYPE), jax.random.normal(v_key, shape, DTYPE),
+            jnp.asarray(tables), jnp.asarray(context_lens, jnp.int32),
+            jnp.asarray(np.concatenate([[0], np.cumsum(query_lens)]), jnp.int32))
+    prefix = context_lens - query_lens
+    visible = sum(int(q_len * p + q_len * (q_len + 1) // 2) for q_len, p in zip(query_lens, prefix))
+    return args, 4 * visible * NUM_HEADS * HEAD_DIM
+
+
+PREFILL_CASES = [("1 x 512, no prefix", [512], [512]),
+                 ("1 x 2048, no prefix", [2048], [2048]),
+                 ("4 x 512 after 1536 cached", [512] * 4, [2048] * 4),
+                 ("512 chunk + 64 decodes at 2048", [512] + [1] * 64, [512] + [2048] * 64)]
+PREFILL_VARIANTS = [dict(block_q=64), dict(block_q=128, num_warps=8),
+                    dict(block_q=64, num_stages=3), dict(block_q=128, tokens_per_step=32,
+                                                         num_warps=8, num_stages=3)]
+
+
+def prefill_rows(matmul_flops, deadline):
+    rows = []
+    for name, query_lens, context_lens in PREFILL_CASES:
+        if time.time() > deadline:
+            break
+        args, flops = prefill_case(jax.random.key(len(rows)), query_lens, context_lens)
+        row = {"case": name, "T": args[0].shape[0], "flops": flops, "matmul": matmul_flops}
+        for tiling in PREFILL_VARIANTS:
+            fn = jax.jit(functools.partial(pk.paged_attention_prefill_gpu, **tiling))
+            row[str(tiling)] = _try(lambda: median_seconds(fn, [args]))
+        if args[0].shape[0] <= 1024:
+            row["reference"] = _try(lambda: median_seconds(
+                jax.jit(reference.paged_attention_prefill), [args]))
+        rows.append(row)
+        del args
+    return rows
+
+
+def format_decode(rows, bandwidth):
+    lines = ["| B | context | S | ours us | ours GB/s | % copy BW | best tiling | best us | best % "
+             "| jax bundled us | reference us |", "|" + "---|" * 11]
+    for row in rows:
+        timings = {k: v for k, v in row.items() if k.startswith("ours") and isinstance(v, float)}
+        best = min(timings, key=timings.get)
+        gbps = row["bytes"] / row["ours"] / 1e9
+        lines.append(
+            f"| {row['B']} | {row['context']} | {row['S']} | {row['ours'] * 1e6:.1f} | {gbps:.0f} "
+            f"| {100 * gbps * 1e9 / bandwidth:.0f}% | {_tiling_name(row['tilings'][best])} "
+            f"| {timings[best] * 1e6:.1f} "
+            f"| {100 * row['bytes'] / timings[best] / bandwidth:.0f}% "
+            f"| {_us(row.get('jax bundled'))} | {_us(row.get('reference'))} |")
+    return "\n".join(lines)
+
+
+def format_prefill(rows):
+    names = [str(t) for t in PREFILL_VARIANTS]
+    lines = ["| case | T | " + " | ".join(f"{n} us (TFLOP/s)" for n in names)
+             + " | reference us |", "|" + "---|" * (len(names) + 3)]
+    for row in rows:
+        cells = [f"{_us(row[n])} ({row['flops'] / row[n] / 1e12:.0f})"
+                 if isinstance(row[n], float) else str(row[n]) for n in names]
+        lines.append(f"| {row['case']} | {row['T']} | " + " | ".join(cells)
+                     + f" | {_us(row.get('reference'))} |")
+    return "\n".join(lines)
+
+
+def _us(value):
+    if value is None:
+        return "-"
+    return f"{value * 1e6:.1f}" if isinstance(value, float) else value
+
+
+def versions():
+    import jaxlib
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    device = jax.devices()[0]
+    return (f"device: {device.device_kind} ({jax.default_backend()}); date: "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; jax {jax.__version__}, "
+            f"jaxlib {jaxlib.__version__}, triton {triton_version}, python {platform.python_version()}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the markdown tables here")
+    parser.add_argument("--budget-seconds", type=float, default=300,
+                        help="stop starting new cases after this long (tables stay partial)")
+    args = parser.parse_args()
+    deadline = time.time() + args.budget_seconds
+    sections = [versions()]
+    bandwidth, matmul_flops = copy_bandwidth(), matmul_rate()
+    sections.append(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s; "
+                    f"bf16 matmul 8192^3: {matmul_flops / 1e12:.0f} TFLOP/s")
+    print("\n".join(sections), flush=True)
+    decode_rows = []
+    plan = ([(b, c, 16, DECODE_VARIANTS, True) for b, c in ISSUE_CASES]
+            + [(b, c, 16, DECODE_VARIANTS[:1], True) for b, c in DECODE_GRID
+               if (b, c) not in ISSUE_CASES]
+            + [(*PAGE_SIZE_CASE, s, DECODE_VARIANTS[:2], False) for s in (32, 64, 128)])
+    for batch, context, block_size, variants, with_peers in plan:
+        if time.time() > deadline:
+            sections.append(f"(budget reached: decode cases after B={batch} context={context} skipped)")
+            break
+        row = decode_row(jax.random.key(batch * context), batch, context, block_size, bandwidth,
+                         variants, with_peers)
+        decode_rows.append(row)
+        print(format_decode([row], bandwidth).splitlines()[-1], flush=True)
+    cudnn = []
+    for batch, context in ISSUE_CASES:
+        if time.time() > deadline:
+            break
+        fn, arg_sets = contiguous_setup(jax.random.key(7), batch, context)
+        seconds = _try(lambda: median_seconds(fn, arg_sets) / CHAIN)
+        num_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+        cell = (f"{seconds * 1e6:.1f} us, {100 * num_bytes / seconds / bandwidth:.0f}%"
+                if isinstance(seconds, float) else seconds)
+        cudnn.append(f"| {batch} | {context} | {cell} |")
+        del arg_sets
+    prefill = prefill_rows(matmul_flops, deadline + 60)
+    sections += ["## Decode (H=32, K=8, D=128, bf16; S=16 unless noted)",
+                 format_decode(decode_rows, bandwidth),
+                 "## cuDNN decode on a contiguous cache (jax.nn.dot_product_attention)",
+                 "| B | context | time, % copy BW |\n|---|---|---|\n" + "\n".join(cudnn),
+                 "## Prefill (H=32, K=8, D=128, bf16, S=16)", format_prefill(prefill)]
+    text = "\n\n".join(sections)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

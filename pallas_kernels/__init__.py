@@ -1,0 +1,66 @@
+"""Paged-attention kernels: the plain-jnp reference (the oracle) and Pallas GPU (Triton) / TPU kernels.
+
+This package imports only jax and numpy; every setting arrives as an argument. Page layout, shared
+by every function here: `k_pages, v_pages: [K, N, S, D]` per layer (kv-head-major, so one head's
+S x D tile of a block is contiguous); physical block 0 is a reserved sink that kernels never read.
+
+`paged_attention_decode` / `paged_attention_prefill` dispatch on `backend`, one of `BACKENDS`;
+mapping "auto" to one of these is the engine's job. `interpret=True` runs a Pallas kernel in the
+interpreter (CPU tests); the reference ignores it.
+"""
+
+from pallas_kernels import reference
+from pallas_kernels.gpu.decode import paged_attention_decode as paged_attention_decode_gpu
+from pallas_kernels.gpu.prefill import paged_attention_prefill as paged_attention_prefill_gpu
+from pallas_kernels.reference import check_page_layout, dense_causal_attention, write_to_pages
+from pallas_kernels.tpu.decode import paged_attention_decode as paged_attention_decode_tpu
+from pallas_kernels.tpu.prefill import paged_attention_prefill as paged_attention_prefill_tpu
+
+BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+
+_DECODE = {"pallas_gpu": paged_attention_decode_gpu, "pallas_tpu": paged_attention_decode_tpu}
+_PREFILL = {"pallas_gpu": paged_attention_prefill_gpu, "pallas_tpu": paged_attention_prefill_tpu}
+
+__all__ = ["BACKENDS", "check_page_layout", "dense_causal_attention", "paged_attention_decode",
+           "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
+           "paged_attention_prefill_gpu", "paged_attention_prefill_tpu", "reference",
+           "write_to_pages"]
+
+
+def _check_backend(backend, kernel_options):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference" and kernel_options:
+        raise ValueError(f"kernel options {sorted(kernel_options)} do not apply to the reference")
+
+
+def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
+                           backend="reference", interpret=False, **kernel_options):
+    """Decode attention, one query token per sequence, on the chosen backend.
+
+    q: [B, H, D]; k_pages, v_pages: [K, N, S, D]; block_tables: [B, M] int32; context_lens: [B]
+    int32 including the current token (0 = padding row, zeros out). Returns [B, H, D] in q's dtype.
+    kernel_options: static tiling of the chosen kernel (see its docstring).
+    """
+    _check_backend(backend, kernel_options)
+    if backend == "reference":
+        return reference.paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens,
+                                                scale=scale)
+    return _DECODE[backend](q, k_pages, v_pages, block_tables, context_lens, scale=scale,
+                            interpret=interpret, **kernel_options)
+
+
+def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
+                            scale=None, backend="reference", interpret=False, **kernel_options):
+    """Ragged causal prefill/chunk attention (mixed with decode rows) on the chosen backend.
+
+    q: [T, H, D]; sequence b owns rows query_start_loc[b]:query_start_loc[b+1] ([B+1] int32; rows
+    past query_start_loc[B] come back as zeros); context_lens: [B] int32 including the chunk;
+    block_tables: [B, M] int32. Returns [T, H, D] in q's dtype.
+    """
+    _check_backend(backend, kernel_options)
+    if backend == "reference":
+        return reference.paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens,
+                                                 query_start_loc, scale=scale)
+    return _PREFILL[backend](q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
+                             scale=scale, interpret=interpret, **kernel_options)

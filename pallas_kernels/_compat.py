@@ -1,0 +1,64 @@
+"""Every jax-version-dependent Pallas name, in one place (CPU runs jax 0.10.2, the H200 0.11.2).
+
+Kernels import `pl`, `plgpu`, `pltpu` and the helpers below from here, never the moving names
+directly, so a jax upgrade touches this file only. What moved between versions is listed in
+/work/shared/ENV_NOTES.md; the notes below say which choice each helper makes and why.
+"""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+try:  # Mosaic GPU: present in both versions, but only 0.11+ can interpret it on a CPU.
+    from jax.experimental.pallas import mosaic_gpu as plmgpu
+except ImportError:  # pragma: no cover - depends on the jax build
+    plmgpu = None
+
+JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
+
+__all__ = ["pl", "plgpu", "pltpu", "plmgpu", "JAX_VERSION", "triton_params", "tpu_params",
+           "tpu_interpret", "dot_f32", "bundled_gpu_paged_attention"]
+
+
+def triton_params(num_warps, num_stages):
+    """Triton compiler params. Always explicit: with None, 0.10.2 lowers to Mosaic GPU instead."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def tpu_params(dimension_semantics):
+    """Mosaic TPU compiler params (`pltpu.CompilerParams`, named TPUCompilerParams in old jax)."""
+    return pltpu.CompilerParams(dimension_semantics=tuple(dimension_semantics))
+
+
+def tpu_interpret(interpret):
+    """The `interpret=` value for a TPU-style kernel.
+
+    `pltpu.InterpretParams()` rather than `True`: it models SMEM/VMEM/DMA/semaphores, fills
+    uninitialized scratch with NaN and raises IndexError on an out-of-range block-table read, where
+    `interpret=True` would silently read another page.
+    """
+    return pltpu.InterpretParams() if interpret else False
+
+
+def dot_f32(a, b, *, transpose_b=False):
+    """a @ b (or a @ b.T) accumulated in float32, in any Pallas backend.
+
+    `pl.dot` is gone in 0.11.2; `lax.dot_general` lowers on Triton, Mosaic TPU and the interpreter.
+    float32 operands ask for HIGHEST, because Triton's DEFAULT is TF32 (~3e-4 relative error).
+    """
+    contract_b = 1 if transpose_b else 0
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((a.ndim - 1,), (contract_b,)), ((), ())),
+                           precision=precision, preferred_element_type=jnp.float32)
+
+
+def bundled_gpu_paged_attention():
+    """JAX's own `ops.gpu.paged_attention` (deprecated in 0.11), or None. Benchmarks only."""
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention as bundled
+    except ImportError:  # pragma: no cover - removed in some future jax
+        return None
+    return bundled.paged_attention

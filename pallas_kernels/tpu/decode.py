@@ -1,0 +1,109 @@
+"""TPU paged decode attention (Pallas Mosaic TPU): one query token per sequence, pages fetched by DMA.
+
+The grid is (sequence, kv head). Context lengths and the flattened block tables are scalar-prefetch
+operands (in SMEM before the kernel starts). K/V pages stay in HBM (`pl.ANY`); the kernel copies
+`pages_per_chunk` pages at a time into a double-buffered VMEM scratch (one DMA per page: a head's
+S x D tile is contiguous in the [K, N, S, D] layout) and starts the next chunk's copies before
+computing on the current one. All query heads of a GQA group share each chunk. Only blocks
+< ceil(context_len / S) are copied, and only their block-table entries are read.
+
+Refs are sliced (`.at[...]`, `pl.ds`), never reshaped or bitcast: that breaks the TPU interpreter.
+The plain-jnp reference is `pallas_kernels.reference.paged_attention_decode`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _online_softmax as softmax
+from pallas_kernels._compat import dot_f32, pl, pltpu, tpu_interpret, tpu_params
+from pallas_kernels._validate import check_decode_args
+from pallas_kernels.tpu import _dma
+
+
+def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_hbm, v_pages_hbm, o_ref,
+                   k_buffer, v_buffer, k_sems, v_sems, *, pages_per_chunk, max_blocks, scale):
+    """One (sequence, kv head) program.
+
+    Scalar prefetch (SMEM): context_lens [B], block_tables [B*M] (flattened). q_ref, o_ref: [G, D]
+    (this sequence's GQA group). k/v_pages_hbm: [K, N, S, D] in HBM. k/v_buffer: [2, C, D] VMEM,
+    C = pages_per_chunk * S; k/v_sems: two DMA semaphores each (one per buffer slot).
+    """
+    seq, kv_head = pl.program_id(0), pl.program_id(1)
+    block_size = k_pages_hbm.shape[2]
+    chunk_tokens = k_buffer.shape[1]
+    context_len = context_lens_ref[seq]
+    fetcher = _dma.ChunkFetcher(
+        k_pages_hbm.at[kv_head], v_pages_hbm.at[kv_head], k_buffer, v_buffer, k_sems, v_sems,
+        block_tables_ref, table_offset=seq * max_blocks, pages_per_chunk=pages_per_chunk,
+        num_pages=pl.cdiv(context_len, block_size))
+    num_chunks = pl.cdiv(context_len, chunk_tokens)
+    q = q_ref[...]
+    group, head_dim = q.shape
+
+    @pl.when(num_chunks > 0)
+    def _():
+        fetcher.start(0, 0)
+
+    def chunk_step(chunk, state):
+        slot = chunk % 2
+
+        @pl.when(chunk + 1 < num_chunks)
+        def _():
+            fetcher.start(chunk + 1, 1 - slot)
+
+        keys, values = fetcher.wait(chunk, slot)                          # [C, D] each
+        token = chunk * chunk_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, chunk_tokens), 1)
+        is_cached = token < context_len                                   # [1, C]
+        values = _dma.zero_stale_rows(values, chunk * chunk_tokens, context_len)
+        scores = dot_f32(q, keys, transpose_b=True) * scale               # [G, C]
+        visible = jnp.broadcast_to(is_cached, scores.shape)
+        return softmax.update(state, scores, values, visible)
+
+    state = jax.lax.fori_loop(0, num_chunks, chunk_step, softmax.initial_state(group, head_dim))
+    o_ref[...] = softmax.finalize(state).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "pages_per_chunk"))
+def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
+                           interpret=False, pages_per_chunk=None):
+    """Paged decode attention on a TPU (Pallas Mosaic TPU); same contract as the reference.
+
+    q: [B, H, D]; k_pages, v_pages: [K, N, S, D] (kv-head-major pages, block 0 a never-read sink);
+    block_tables: [B, M] int32 (entries past ceil(context_len/S) are not read);
+    context_lens: [B] int32, including the current token; 0 marks a padding row (zeros out).
+    Returns [B, H, D] in q's dtype; softmax in float32. H must be a multiple of K.
+
+    Static tiling: pages_per_chunk (pages per DMA chunk; None: enough for ~128 tokens).
+    interpret=True runs under `pltpu.InterpretParams()` (CPU tests; raises on out-of-range reads).
+    """
+    check_decode_args(q, k_pages, v_pages, block_tables, context_lens)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    max_blocks = block_tables.shape[1]
+    pages_per_chunk = pages_per_chunk or max(1, 128 // block_size)
+    chunk_tokens = pages_per_chunk * block_size
+    scale = head_dim ** -0.5 if scale is None else scale
+    q_groups = q.reshape(batch, num_kv_heads, group, head_dim)  # free: heads are kv-major
+    group_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, *_: (b, h, 0, 0))
+    kernel = functools.partial(_decode_kernel, pages_per_chunk=pages_per_chunk,
+                               max_blocks=max_blocks, scale=scale)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,  # context_lens, flattened block_tables -> SMEM
+            grid=(batch, num_kv_heads),
+            in_specs=[group_spec,                              # q[b, kv group] -> VMEM
+                      pl.BlockSpec(memory_space=pl.ANY),      # k_pages stay in HBM
+                      pl.BlockSpec(memory_space=pl.ANY)],     # v_pages stay in HBM
+            out_specs=group_spec,
+            scratch_shapes=_dma.chunk_scratch(chunk_tokens, head_dim, k_pages.dtype),
+        ),
+        out_shape=jax.ShapeDtypeStruct(q_groups.shape, q.dtype),
+        compiler_params=tpu_params(("parallel", "parallel")),
+        interpret=tpu_interpret(interpret),
+        name="jpaged_decode_tpu",
+    )(context_lens, block_tables.reshape(-1), q_groups, k_pages, v_pages)
+    return out.reshape(batch, num_heads, head_dim)

@@ -1,0 +1,241 @@
+"""The Pallas GPU (Triton) kernels equal the jnp reference; and the reference equals hand-worked and dense attention.
+
+On a CPU the kernels run in the Pallas interpreter over a small grid; on a GPU the same tests run
+compiled over the full grid, plus the `gpu`-marked tests with realistic shapes.
+"""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import reference
+from pallas_kernels import testing
+from pallas_kernels.testing import TOLERANCE, make_problem, max_row_error
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+# (heads, head_dim, block_size, dtype). Interpreting costs ~2 s of compile per shape: keep CPU small.
+CPU_GRID = [("mha", 64, 16, F32), ("gqa", 64, 16, BF16), ("mqa", 128, 32, F32),
+            ("gqa", 128, 64, BF16), ("gqa", 64, 128, F32), ("gqa", 256, 16, BF16)]
+GPU_GRID = [*itertools.product(HEADS, (64, 128), (16, 32, 64, 128), (BF16,)),
+            ("mha", 64, 16, F32), ("gqa", 128, 32, F32), ("mqa", 128, 128, F32),
+            ("gqa", 64, 64, F32), ("gqa", 256, 16, BF16), ("mqa", 256, 128, F32)]
+GRID = GPU_GRID if ON_GPU else CPU_GRID
+
+ref_decode = jax.jit(reference.paged_attention_decode)
+ref_prefill = jax.jit(reference.paged_attention_prefill)
+
+
+def grid_id(case):
+    heads, head_dim, block_size, dtype = case
+    return f"{heads}-D{head_dim}-S{block_size}-{dtype.name}"
+
+
+def problem_kwargs(case):
+    heads, head_dim, block_size, dtype = case
+    num_heads, num_kv_heads = HEADS[heads]
+    return dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                block_size=block_size, dtype=dtype)
+
+
+def make_decode(case, seed=0):
+    return testing.decode_problem(seed, **problem_kwargs(case))
+
+
+def make_prefill(case, seed=0):
+    return testing.prefill_problem(seed, **problem_kwargs(case))
+
+
+def assert_matches(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == dtype
+    error = max_row_error(out, ref)
+    assert error < TOLERANCE[dtype], f"max row relative error {error}"
+
+
+# --- the reference itself -------------------------------------------------------------------
+
+def hand_worked_cache():
+    """K=H=1, D=2, S=2; one sequence of 3 tokens in blocks [3, 1] of a pool of 4 (0 is the sink).
+
+    keys k0=[1,0], k1=[0,1], k2=[1,1]; values v0=[1,0], v1=[0,2], v2=[3,3]; everything else NaN.
+    """
+    pages = np.full((2, 1, 4, 2, 2), np.nan, np.float32)  # (k|v), K, N, S, D
+    pages[0, 0, 3] = [[1, 0], [0, 1]]
+    pages[0, 0, 1, 0] = [1, 1]
+    pages[1, 0, 3] = [[1, 0], [0, 2]]
+    pages[1, 0, 1, 0] = [3, 3]
+    return jnp.asarray(pages[0]), jnp.asarray(pages[1]), jnp.array([[3, 1, 0]], jnp.int32)
+
+
+def test_reference_decode_hand_worked():
+    k_pages, v_pages, block_tables = hand_worked_cache()
+    # scores = q.k * 1 = [ln2, 0, ln2] -> weights [2, 1, 2] / 5 -> (2 v0 + v1 + 2 v2) / 5.
+    q = jnp.array([[[np.log(2.0), 0.0]]], jnp.float32)
+    out = ref_decode(q, k_pages, v_pages, block_tables, jnp.array([3], jnp.int32), scale=1.0)
+    np.testing.assert_allclose(out[0, 0], [8 / 5, 8 / 5], rtol=1e-6)
+
+
+def test_reference_prefill_hand_worked():
+    k_pages, v_pages, block_tables = hand_worked_cache()
+    # A 2-token chunk after a cached prefix of 1: rows at positions 1 and 2, zero queries (uniform
+    # weights over visible keys), then one padding row.
+    q = jnp.zeros((3, 1, 2), jnp.float32)
+    out = ref_prefill(q, k_pages, v_pages, block_tables, jnp.array([3], jnp.int32),
+                      jnp.array([0, 2], jnp.int32))
+    np.testing.assert_allclose(out[:, 0], [[0.5, 1.0], [4 / 3, 5 / 3], [0.0, 0.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
+def test_reference_equals_dense_attention(num_heads, num_kv_heads):
+    block_size, head_dim, context_len, q_len = 4, 8, 11, 6
+    problem = make_problem(3, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           block_size=block_size, dtype=jnp.float32, context_lens=[context_len],
+                           query_lens=[q_len])
+    # Unpage the sequence: [C, K, D] in logical order.
+    pages = [p[:, problem.block_tables[0]].reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+             for p in (problem.k_pages, problem.v_pages)]
+    keys, values = (jnp.swapaxes(p, 0, 1) for p in pages)
+    dense = jax.jit(reference.dense_causal_attention, static_argnames="query_offset")(
+        problem.q, keys, values, query_offset=context_len - q_len)
+    np.testing.assert_allclose(ref_prefill(*problem.prefill_args), dense, rtol=1e-5, atol=1e-6)
+    decode_q = problem.q[-1:]
+    np.testing.assert_allclose(ref_decode(decode_q, *problem.decode_args[1:]), dense[-1:],
+                               rtol=1e-5, atol=1e-6)
+
+
+# --- GPU kernels against the reference ------------------------------------------------------
+
+@pytest.mark.parametrize("case", GRID, ids=grid_id)
+def test_decode_matches_reference(case):
+    problem = make_decode(case)
+    out = pk.paged_attention_decode_gpu(*problem.decode_args, interpret=INTERPRET)
+    assert_matches(out, ref_decode(*problem.decode_args), case[3])
+    padding_row = np.asarray(out[testing.DECODE_PADDING_ROW], np.float32)
+    assert not np.any(padding_row), "padding row (context_len 0) must be zeros"
+
+
+@pytest.mark.parametrize("num_splits,tokens_per_step", [(1, 16), (7, 16), (64, 32)])
+def test_decode_split_k_variants(num_splits, tokens_per_step):
+    """One split, splits that cut pages, and more splits than tokens (empty splits)."""
+    case = ("gqa", 64, 16, F32)
+    problem = make_decode(case, seed=1)
+    out = pk.paged_attention_decode_gpu(*problem.decode_args, interpret=INTERPRET,
+                                        num_splits=num_splits, tokens_per_step=tokens_per_step)
+    assert_matches(out, ref_decode(*problem.decode_args), F32)
+
+
+@pytest.mark.parametrize("case", GRID, ids=grid_id)
+def test_prefill_matches_reference(case):
+    problem = make_prefill(case)
+    out = pk.paged_attention_prefill_gpu(*problem.prefill_args, interpret=INTERPRET, block_q=16)
+    assert_matches(out, ref_prefill(*problem.prefill_args), case[3])
+    padding_rows = np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32)
+    assert not np.any(padding_rows), "padding rows must be zeros"
+
+
+def test_prefill_decode_rows_equal_decode_kernel():
+    """A batch of q_len 1 rows through the prefill kernel is a decode."""
+    case = ("gqa", 64, 16, F32)
+    problem = make_decode(case, seed=2)
+    out = pk.paged_attention_prefill_gpu(*problem.prefill_args, interpret=INTERPRET, block_q=16)
+    assert_matches(out, ref_decode(*problem.decode_args), F32)
+
+
+def test_never_reads_table_entries_past_last_block():
+    """Entries past a sequence's last block point far outside the pool: unread, nothing changes."""
+    case = GRID[0]  # shapes already compiled by the grid tests
+    problem = make_prefill(case, seed=4)
+    poisoned = testing.poison_unused_table_entries(problem)
+    prefill = pk.paged_attention_prefill_gpu(*poisoned.prefill_args, interpret=INTERPRET,
+                                             block_q=16)
+    assert_matches(prefill, ref_prefill(*problem.prefill_args), case[3])
+    problem = testing.poison_unused_table_entries(make_decode(case, seed=4))
+    decode = pk.paged_attention_decode_gpu(*problem.decode_args, interpret=INTERPRET)
+    assert_matches(decode, ref_decode(*make_decode(case, seed=4).decode_args), case[3])
+
+
+def test_dispatch_routes_to_kernels():
+    case = GRID[0]
+    problem = make_decode(case, seed=1)
+    direct = pk.paged_attention_decode_gpu(*problem.decode_args, interpret=INTERPRET)
+    routed = pk.paged_attention_decode(*problem.decode_args, backend="pallas_gpu",
+                                       interpret=INTERPRET)
+    np.testing.assert_array_equal(direct, routed)
+    routed_reference = jax.jit(functools.partial(pk.paged_attention_decode, backend="reference"))
+    np.testing.assert_array_equal(routed_reference(*problem.decode_args),
+                                  ref_decode(*problem.decode_args))
+    with pytest.raises(ValueError, match="backend"):
+        pk.paged_attention_decode(*problem.decode_args, backend="auto")
+    with pytest.raises(ValueError, match="reference"):
+        pk.paged_attention_prefill(*problem.prefill_args, backend="reference", block_q=16)
+
+
+@pytest.mark.parametrize("change,argument", [
+    (lambda a: {**a, "q": a["q"][0]}, "^q must"),
+    (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.float32)}, "block_tables"),
+    (lambda a: {**a, "context_lens": a["context_lens"][:-1]}, "context_lens"),
+    (lambda a: {**a, "v_pages": a["v_pages"][:, :-1]}, "v_pages"),
+    (lambda a: {**a, "q": a["q"][:, :3]}, "kv heads"),
+    (lambda a: {**a, "q": a["q"].astype(jnp.bfloat16)}, "k_pages dtype"),
+])
+def test_bad_arguments_raise_naming_them(change, argument):
+    problem = make_decode(("gqa", 64, 16, F32))
+    names = ("q", "k_pages", "v_pages", "block_tables", "context_lens")
+    args = change(dict(zip(names, problem.decode_args)))
+    with pytest.raises(ValueError, match=argument):
+        pk.paged_attention_decode_gpu(**args, interpret=INTERPRET)
+    prefill_args = {**args, "q": args["q"], "query_start_loc": problem.query_start_loc}
+    with pytest.raises(ValueError, match=argument):
+        pk.paged_attention_prefill_gpu(**prefill_args, interpret=INTERPRET)
+
+
+def test_kernels_lower_to_triton():
+    """Lowering for CUDA runs on any machine: catches Triton-lowering errors without a GPU."""
+    problem = make_prefill(("gqa", 128, 16, BF16))
+    for fn, args in [(pk.paged_attention_decode_gpu, make_decode(("gqa", 128, 16, BF16)).decode_args),
+                     (pk.paged_attention_prefill_gpu, problem.prefill_args)]:
+        try:
+            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        except RuntimeError as error:  # jax >= 0.11 asks a real GPU for its compute capability
+            if "No supported GPU devices" in str(error):
+                pytest.skip("this jax cannot lower for CUDA without a GPU")
+            raise
+        assert "xla.gpu.triton" in lowered.as_text()
+
+
+# --- compiled on a GPU only: realistic shapes -----------------------------------------------
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_decode_llama_shapes(block_size):
+    """Llama-3-8B heads (32 query, 8 kv, D=128), bf16, 24 sequences up to ~3k tokens."""
+    rng = np.random.default_rng(block_size)
+    context_lens = [int(n) for n in rng.integers(1, 3000, 24)] + [0, 1]
+    problem = make_problem(5, num_heads=32, num_kv_heads=8, head_dim=128, block_size=block_size,
+                           dtype=jnp.bfloat16, context_lens=context_lens, spare_blocks=40)
+    out = pk.paged_attention_decode_gpu(*problem.decode_args)
+    assert_matches(out, ref_decode(*problem.decode_args), BF16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_prefill_long_chunks_with_prefix_and_decodes():
+    """Two 512-token chunks after 600- and 0-token prefixes, and 30 decode rows, bf16 Llama heads."""
+    rng = np.random.default_rng(7)
+    query_lens = [512, 512] + [1] * 30
+    context_lens = [1112, 512] + [int(n) for n in rng.integers(1, 1000, 30)]
+    problem = make_problem(6, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                           dtype=jnp.bfloat16, context_lens=context_lens, query_lens=query_lens,
+                           padding_rows=10)
+    out = pk.paged_attention_prefill_gpu(*problem.prefill_args)
+    assert_matches(out, ref_prefill(*problem.prefill_args), BF16)

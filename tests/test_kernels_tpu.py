@@ -1,0 +1,131 @@
+"""The Pallas TPU kernels equal the jnp reference, run in the TPU interpreter on the CPU.
+
+No TPU is available, so these interpret-mode tests are the kernels' proof: `pltpu.InterpretParams()`
+models SMEM/VMEM, the page DMAs and their semaphores, fills uninitialized scratch with NaN and raises
+IndexError on any out-of-range read (a block-table entry or a page). Pages no sequence owns are NaN.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import reference, testing
+from pallas_kernels.testing import TOLERANCE, max_row_error
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                reason="TPU interpret tests run on the CPU only")
+
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+# (heads, head_dim, block_size, dtype, pages_per_chunk): chunks of one page, several pages, and
+# more pages than any sequence has. Interpreting costs ~5 s per shape: keep the grid small.
+GRID = [("mha", 64, 16, F32, 2), ("gqa", 64, 16, BF16, 1), ("mqa", 128, 32, F32, 2),
+        ("gqa", 128, 64, BF16, 2), ("gqa", 64, 128, F32, 1), ("gqa", 256, 16, BF16, 8)]
+
+ref_decode = jax.jit(reference.paged_attention_decode)
+ref_prefill = jax.jit(reference.paged_attention_prefill)
+
+
+def grid_id(case):
+    heads, head_dim, block_size, dtype, pages_per_chunk = case
+    return f"{heads}-D{head_dim}-S{block_size}-{dtype.name}-P{pages_per_chunk}"
+
+
+def problem_kwargs(case):
+    heads, head_dim, block_size, dtype, _ = case
+    num_heads, num_kv_heads = HEADS[heads]
+    return dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                block_size=block_size, dtype=dtype)
+
+
+def assert_matches(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == dtype
+    error = max_row_error(out, ref)
+    assert error < TOLERANCE[dtype], f"max row relative error {error}"
+
+
+@pytest.mark.parametrize("case", GRID, ids=grid_id)
+def test_decode_matches_reference(case):
+    problem = testing.decode_problem(0, **problem_kwargs(case))
+    # Entries past each sequence's last block point outside the pool: reading one raises.
+    poisoned = testing.poison_unused_table_entries(problem)
+    out = pk.paged_attention_decode_tpu(*poisoned.decode_args, interpret=True,
+                                        pages_per_chunk=case[4])
+    assert_matches(out, ref_decode(*problem.decode_args), case[3])
+    assert not np.any(np.asarray(out[testing.DECODE_PADDING_ROW], np.float32))
+
+
+@pytest.mark.parametrize("case", GRID[:5], ids=grid_id)
+def test_prefill_matches_reference(case):
+    problem = testing.prefill_problem(0, **problem_kwargs(case))
+    poisoned = testing.poison_unused_table_entries(problem)
+    out = pk.paged_attention_prefill_tpu(*poisoned.prefill_args, interpret=True, block_q=16,
+                                         pages_per_chunk=case[4])
+    assert_matches(out, ref_prefill(*problem.prefill_args), case[3])
+    padding_rows = np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32)
+    assert not np.any(padding_rows), "padding rows must be zeros"
+
+
+def test_prefill_one_tile_holds_many_sequences():
+    """block_q larger than the batch: one program walks every sequence (q is padded to the tile)."""
+    case = GRID[0]
+    problem = testing.prefill_problem(1, **problem_kwargs(case))
+    out = pk.paged_attention_prefill_tpu(*problem.prefill_args, interpret=True, block_q=64,
+                                         pages_per_chunk=3)
+    assert_matches(out, ref_prefill(*problem.prefill_args), case[3])
+
+
+def test_out_of_range_page_read_is_caught():
+    """The interpreter really raises on a bad read, so the poisoned-table tests above can fail."""
+    case = GRID[0]
+    problem = testing.decode_problem(0, **problem_kwargs(case))
+    tables = np.asarray(problem.block_tables).copy()
+    tables[1, 0] = problem.k_pages.shape[1] + 7  # a block this sequence does read
+    bad = (*problem.decode_args[:3], jnp.asarray(tables), problem.context_lens)
+    with pytest.raises(Exception, match="(?i)out of bounds|out-of-bounds|index"):
+        jax.block_until_ready(pk.paged_attention_decode_tpu(*bad, interpret=True,
+                                                            pages_per_chunk=case[4]))
+
+
+def test_dispatch_routes_to_tpu_kernels():
+    case = GRID[0]
+    problem = testing.decode_problem(0, **problem_kwargs(case))
+    direct = pk.paged_attention_decode_tpu(*problem.decode_args, interpret=True,
+                                           pages_per_chunk=case[4])
+    routed = pk.paged_attention_decode(*problem.decode_args, backend="pallas_tpu",
+                                       interpret=True, pages_per_chunk=case[4])
+    np.testing.assert_array_equal(direct, routed)
+
+
+@pytest.mark.parametrize("change,argument", [
+    (lambda a: {**a, "q": a["q"][0]}, "^q must"),
+    (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.float32)}, "block_tables"),
+    (lambda a: {**a, "context_lens": a["context_lens"][:-1]}, "context_lens"),
+    (lambda a: {**a, "v_pages": a["v_pages"][:, :-1]}, "v_pages"),
+    (lambda a: {**a, "q": a["q"][:, :3]}, "kv heads"),
+])
+def test_bad_arguments_raise_naming_them(change, argument):
+    problem = testing.decode_problem(0, **problem_kwargs(GRID[0]))
+    names = ("q", "k_pages", "v_pages", "block_tables", "context_lens")
+    args = change(dict(zip(names, problem.decode_args)))
+    with pytest.raises(ValueError, match=argument):
+        pk.paged_attention_decode_tpu(**args, interpret=True)
+    with pytest.raises(ValueError, match=argument):
+        pk.paged_attention_prefill_tpu(**args, query_start_loc=problem.query_start_loc,
+                                       interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_kernels_lower_to_mosaic_tpu(dtype):
+    """Lowering for TPU runs on any machine: catches Mosaic-lowering errors without a TPU.
+
+    Realistic tile sizes (D=128, S=16, 8 pages per chunk, 128-row query tiles)."""
+    kwargs = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype)
+    decode = testing.decode_problem(0, **kwargs)
+    prefill = testing.prefill_problem(0, **kwargs)
+    for fn, args in [(pk.paged_attention_decode_tpu, decode.decode_args),
+                     (pk.paged_attention_prefill_tpu, prefill.prefill_args)]:
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+        assert "tpu_custom_call" in lowered.as_text()
