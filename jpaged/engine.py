@@ -1,0 +1,252 @@
+"""LLMEngine: the one object that owns both the scheduler and the runner.
+
+Research code drives it directly (`add_request`, `step`, `abort`, `has_unfinished`); `LLM` and the
+server are thin shells over it. A step: replay the scheduler's block operations on the device,
+schedule (admission, chunked prefill, decode, preemption), run the jitted step, then process the
+sampled tokens on the host (forks for n > 1, stop checks, detokenization, freeing finished
+sequences at once).
+"""
+
+import itertools
+import time
+
+import jax
+import numpy as np
+
+from jpaged.block_mirror import HostBlockMirror
+from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.engine_config import EngineConfig, resolve_engine_config
+from jpaged.request import CompletionOutput, Request, RequestOutput, Sequence
+from jpaged.runner import ModelRunner
+from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow, request_seed
+from jpaged.scheduler import Scheduler
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig):
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.mirror = HostBlockMirror(config.num_kv_blocks, config.block_size, config.max_num_seqs,
+                                      -(-config.max_model_len // config.block_size))
+        self.scheduler = Scheduler(self.mirror, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            model, num_blocks=config.num_kv_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens, kv_dtype=config.kv_dtype,
+            attention_backend=config.attention_backend, interpret=config.interpret)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._rng = np.random.default_rng(config.seed)
+        self._arrivals = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0
+
+    @classmethod
+    def from_pretrained(cls, model=None, **options) -> "LLMEngine":
+        """Load a Hugging Face directory (None: the built-in model) and size the KV pool."""
+        model_obj, tokenizer, config = resolve_engine_config(model, **options)
+        return cls(model_obj, tokenizer, config)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None, *,
+                    prompt_token_ids=None, priority: int = 0) -> Request:
+        """Queue a request; bad input raises ValueError naming the problem and queues nothing."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        token_ids = self._prompt_tokens(prompt, prompt_token_ids)
+        self._check_fits(token_ids, params)
+        request = Request(request_id=request_id, prompt=prompt, prompt_token_ids=token_ids,
+                          params=params, seed=request_seed(params, self._rng),
+                          arrival_index=next(self._arrivals), priority=priority)
+        request.sequences[0].detokenizer = self._detokenizer(token_ids, params)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def _prompt_tokens(self, prompt, prompt_token_ids) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass prompt_token_ids")
+            token_ids = self.tokenizer.encode(prompt).ids
+        else:
+            token_ids = [int(t) for t in prompt_token_ids]
+        if not token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+        return token_ids
+
+    def _check_fits(self, token_ids, params: SamplingParams):
+        config = self.config
+        if len(token_ids) >= config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
+                             f"{config.max_model_len} (the prompt plus at least one generated "
+                             "token must fit)")
+        if params.n > config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={config.max_num_seqs}")
+        total = min(len(token_ids) + params.max_tokens, config.max_model_len)
+        blocks = params.n * -(-total // config.block_size)
+        usable = config.num_kv_blocks - 1
+        if blocks > usable:
+            raise ValueError(f"request needs up to {blocks} KV blocks ({params.n} x {total} "
+                             f"tokens) but the pool has only {usable}: it could never run")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={params.logprobs} exceeds {MAX_LOGPROBS}")
+
+    def _detokenizer(self, prompt_token_ids, params):
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its blocks return to the pool at once. False if unknown."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        self._flush_block_ops()
+        return True
+
+    def _flush_block_ops(self):
+        """Replay the scheduler's queued frees and forks on the device block manager."""
+        self.runner.apply_ops(self.scheduler.pending_ops)
+        self.scheduler.pending_ops = []
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return the outputs of requests that made progress."""
+        start = time.perf_counter()
+        schedule = self.scheduler.schedule()
+        self._flush_block_ops()
+        if not schedule.rows:
+            return []
+        rows = [(row.seq.slot, row.token_ids) for row in schedule.rows]
+        sampling_rows, targets = [], []
+        for index, row in enumerate(schedule.rows):
+            position = row.start + row.num_tokens
+            for sample_index in row.sample_indices:
+                sampling_rows.append((index, SamplingRow(row.request.params, row.request.seed,
+                                                         sample_index, position)))
+                targets.append((row, sample_index))
+        num_logprobs = max(row.request.params.logprobs or 0 for row in schedule.rows)
+        device_start = time.perf_counter()
+        sampled = self.runner.execute(rows, sampling_rows, num_logprobs)
+        self.device_seconds += time.perf_counter() - device_start
+        outputs = self._process(targets, sampled)
+        self._flush_block_ops()  # finished sequences' blocks return now, not at the next step
+        self.num_steps += 1
+        self.host_seconds += time.perf_counter() - start
+        return outputs
+
+    def _process(self, targets, sampled) -> list[RequestOutput]:
+        token_ids, logprobs, top_ids, top_logprobs = sampled
+        touched: dict[str, Request] = {}
+        children: dict[str, list[Sequence]] = {}
+        finished: list[Sequence] = []
+        now = time.monotonic()
+        for index, (row, sample_index) in enumerate(targets):
+            request = row.request
+            seq = row.seq
+            if sample_index != seq.index:  # the n-1 siblings come to life at the prompt's end
+                seq = self._new_child(request, row.seq, sample_index)
+                children.setdefault(request.request_id, []).append(seq)
+            self._append_token(request, seq, int(token_ids[index]), float(logprobs[index]),
+                               top_ids[index], top_logprobs[index])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched[request.request_id] = request
+            if seq.is_finished:
+                finished.append(seq)
+        for request_id, new in children.items():  # fork before any free: parents may finish
+            live = [seq for seq in new if not seq.is_finished]
+            if live:
+                self.scheduler.fork(touched[request_id], live)
+        self.scheduler.finish(finished)
+        outputs = []
+        for request in touched.values():
+            if request.is_finished:
+                self.scheduler.retire(request)
+                self._requests.pop(request.request_id, None)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _new_child(self, request: Request, parent: Sequence, sample_index: int) -> Sequence:
+        child = Sequence(sample_index, list(parent.token_ids[:parent.num_computed]),
+                         parent.num_prompt_tokens)
+        child.detokenizer = self._detokenizer(request.prompt_token_ids, request.params)
+        request.sequences.append(child)
+        request.sequences.sort(key=lambda s: s.index)
+        return child
+
+    def _append_token(self, request, seq: Sequence, token: int, logprob: float, top_ids,
+                      top_logprobs):
+        params = request.params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if params.logprobs is not None:
+            entry = {int(t): float(lp) for t, lp in
+                     zip(top_ids[:params.logprobs], top_logprobs[:params.logprobs])}
+            entry[token] = logprob
+            seq.logprobs.append(entry)
+        self.num_generated_tokens += 1
+        _, hit_stop_string = seq.detokenizer.append([token])
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if hit_stop_string:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids or (not params.ignore_eos
+                                                 and token in self.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif num_output >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            seq.finish_reason = "length"
+        if seq.is_finished and not hit_stop_string:
+            seq.detokenizer.flush()
+
+    def _output(self, request: Request) -> RequestOutput:
+        want_logprobs = request.params.logprobs is not None
+        completions = [CompletionOutput(
+            index=seq.index, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+            logprobs=list(seq.logprobs) if want_logprobs else None,
+            finish_reason=seq.finish_reason) for seq in request.sequences]
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+                             completions, request.is_finished, request.num_preemptions,
+                             request.num_recomputed_tokens)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        runner = self.runner
+        return {
+            "num_kv_blocks": self.config.num_kv_blocks,
+            "num_free_blocks": self.mirror.num_free,
+            "block_size": self.config.block_size,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_compilations": runner.num_compilations,
+            "compile_seconds": runner.compile_seconds,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
+            "padding_waste": (runner.num_padded_tokens / runner.num_real_tokens
+                              if runner.num_real_tokens else 0.0),
+            "host_seconds_per_step": ((self.host_seconds - self.device_seconds) / self.num_steps
+                                      if self.num_steps else 0.0),
+            "backend": jax.default_backend(),
+            "attention_backend": self.config.attention_backend,
+        }
+

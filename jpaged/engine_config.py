@@ -1,0 +1,131 @@
+"""Engine settings (vLLM's names), their eager validation, model loading and KV-pool sizing."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jpaged import kv_cache
+from jpaged.config import normalize_dtype
+from jpaged.models.loader import load_model, load_tokenizer
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+CPU_KV_BUDGET_BYTES = 1 << 30       # no memory statistics on the CPU: a fixed 1 GiB pool at most
+ACTIVATION_SLACK_BYTES = 512 << 20  # allocator fragmentation, compiler scratch, kernels' partials
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Resolved engine settings; every field validated when built."""
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    kv_dtype: str = "float32"
+    attention_backend: str = "reference"
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len",
+                     "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2 (one is the sink), "
+                             f"got {self.num_kv_blocks}")
+        if self.attention_backend not in ATTENTION_BACKENDS[1:]:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+
+
+def resolve_attention_backend(name: str) -> tuple[str, bool]:
+    """("auto" | explicit) -> (backend, interpret). Pallas backends interpret on the CPU."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    platform = jax.default_backend()
+    if name == "auto":
+        name = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(
+            platform, "reference")
+    return name, name != "reference" and platform == "cpu"
+
+
+def default_model_dir() -> Path:
+    """The built-in model that ships with the package."""
+    return Path(__file__).resolve().parent / "assets" / "default_model"
+
+
+def resolve_engine_config(model=None, *, dtype="auto", block_size=16, num_kv_blocks=None,
+                          gpu_memory_utilization=0.9, max_num_seqs=256, max_model_len=None,
+                          max_num_batched_tokens=None, seed=0, attention_backend="auto",
+                          kv_cache_dtype="auto"):
+    """Load the model and tokenizer and size the engine. Returns (model, tokenizer, config)."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                         f"{gpu_memory_utilization}")
+    model_dir = default_model_dir() if model is None else Path(model)
+    llm_model, model_config = load_model(model_dir, dtype=dtype)
+    tokenizer = load_tokenizer(model_dir)
+    if max_model_len is None:
+        max_model_len = model_config.max_model_len
+    if max_model_len > model_config.max_model_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit "
+                         f"{model_config.max_model_len} (max_position_embeddings, or the "
+                         "sliding window, past which full attention would be wrong)")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(2048, block_size)
+    kv_dtype = (llm_model.dtype.name if kv_cache_dtype == "auto"
+                else normalize_dtype(kv_cache_dtype))
+    backend, interpret = resolve_attention_backend(attention_backend)
+    if num_kv_blocks is None:
+        num_kv_blocks = size_kv_pool(model_config, block_size=block_size, kv_dtype=kv_dtype,
+                                     max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     utilization=gpu_memory_utilization)
+    config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+                          kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret)
+    return llm_model, tokenizer, config
+
+
+def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:
+    """Peak bytes of one step's temporaries, an upper estimate in float32: per token the
+    residual stream, q/k/v, attention output and the MLP's three intermediate-size tensors; per
+    sampled row the logits and the sampler's sort buffers (x4); plus fixed slack."""
+    hidden, inter = model_config.hidden_size, model_config.intermediate_size
+    qkv = (model_config.num_attention_heads + 2 * model_config.num_key_value_heads) * \
+        model_config.head_dim
+    per_token = 4 * (4 * hidden + 2 * qkv + 3 * inter)
+    logits = 4 * 4 * max_num_seqs * model_config.vocab_size
+    return max_num_batched_tokens * per_token + logits + ACTIVATION_SLACK_BYTES
+
+
+def size_kv_pool(model_config, *, block_size, kv_dtype, max_num_seqs, max_model_len,
+                 max_num_batched_tokens, utilization) -> int:
+    """Blocks (sink included) that fit next to the weights already on the device.
+
+    On an accelerator: utilization x the device's memory limit, minus what is in use now (the
+    weights), minus the step's activation estimate. On the CPU: at most CPU_KV_BUDGET_BYTES, and
+    no more than every sequence at full length needs. Too little memory is a ValueError at start,
+    never an out-of-memory error later.
+    """
+    per_block = kv_cache.bytes_per_block(model_config.num_hidden_layers,
+                                         model_config.num_key_value_heads, model_config.head_dim,
+                                         block_size, jnp.dtype(kv_dtype))
+    full_need = max_num_seqs * -(-max_model_len // block_size) + 1
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return max(2, min(full_need, CPU_KV_BUDGET_BYTES // per_block))
+    budget = (utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+              - activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs))
+    if budget < 2 * per_block:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization}: after the weights "
+            f"({stats.get('bytes_in_use', 0) / 2**30:.2f} GiB) and activations there is no room "
+            f"for KV blocks of {per_block} bytes; raise gpu_memory_utilization or lower "
+            "max_num_batched_tokens / max_num_seqs")
+    return int(min(full_need, budget // per_block))

@@ -1,0 +1,89 @@
+"""`LLM`: the offline API, mirroring vLLM's (`LLM(model, ...)`, `generate`, `stats`)."""
+
+import itertools
+import time
+
+from tqdm.auto import tqdm
+
+from jpaged.engine import LLMEngine
+from jpaged.request import RequestOutput
+from jpaged.sampling import SamplingParams
+
+
+class LLM:
+    """Offline batched generation over the continuous-batching engine.
+
+    LLM(model=None, *, dtype="auto", block_size=16, num_kv_blocks=None,
+        gpu_memory_utilization=0.9, max_num_seqs=256, max_model_len=None,
+        max_num_batched_tokens=None, seed=0, attention_backend="auto", kv_cache_dtype="auto")
+    `model` is a Hugging Face directory; None loads the built-in model. `num_kv_blocks` fixes the
+    pool size exactly and overrides memory-based sizing.
+    """
+
+    def __init__(self, model=None, **options):
+        self.engine = LLMEngine.from_pretrained(model, **options)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts=None, sampling_params=None, *, prompt_token_ids=None,
+                 use_tqdm=True) -> list[RequestOutput]:
+        """Generate for every prompt (strings, or lists of token ids via prompt_token_ids).
+
+        sampling_params: one SamplingParams for all, or a list with one per prompt. Every input is
+        validated before anything runs; results come back in input order.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompt_token_ids is not None and prompt_token_ids and isinstance(
+                prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts and prompt_token_ids")
+        inputs = ([dict(prompt=p) for p in prompts] if prompts is not None
+                  else [dict(prompt_token_ids=ids) for ids in prompt_token_ids])
+        params = self._params_list(sampling_params, len(inputs))
+        for index, (item, param) in enumerate(zip(inputs, params)):
+            try:  # validate all before queueing any: a bad prompt must not leave others running
+                self.engine._check_fits(self.engine._prompt_tokens(
+                    item.get("prompt"), item.get("prompt_token_ids")), param)
+            except ValueError as err:
+                raise ValueError(f"prompt {index}: {err}") from err
+        request_ids = []
+        for item, param in zip(inputs, params):
+            request_id = f"gen-{next(self._ids)}"
+            self.engine.add_request(request_id, params=param, **item)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    @staticmethod
+    def _params_list(sampling_params, count):
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+        return sampling_params
+
+    def _run(self, request_ids, use_tqdm) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm, unit="req")
+        start, generated_before = time.perf_counter(), self.engine.num_generated_tokens
+        while self.engine.has_unfinished() and not wanted <= finished.keys():
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+                    bar.update(1)
+            rate = (self.engine.num_generated_tokens - generated_before) / max(
+                time.perf_counter() - start, 1e-9)
+            bar.set_postfix(tokens_per_s=f"{rate:.0f}")
+        bar.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    def stats(self) -> dict:
+        """num_kv_blocks, num_free_blocks, num_compilations, num_preemptions, and more."""
+        return self.engine.stats()

@@ -1,0 +1,99 @@
+"""Host-side requests: a request is a group of n sequences sharing one prompt; results types."""
+
+import dataclasses
+import enum
+import time
+
+from jpaged.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not in the cache (new, or preempted by recompute)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One output stream: the prompt plus its generated tokens, and what the cache holds of them."""
+    index: int                       # sample index within the request (0 .. n-1)
+    token_ids: list[int]             # prompt + generated
+    num_prompt_tokens: int
+    slot: int = -1                   # row in the block manager (-1: none)
+    num_computed: int = 0            # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    detokenizer: object = None
+    stop_reason: object = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class Request:
+    """A prompt and its n sequences. Only sequence 0 exists until the prompt is prefilled; then
+    the others fork from it and share its prompt blocks."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_index: int
+    priority: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    sequences: list[Sequence] = dataclasses.field(default_factory=list)
+    reserved_slots: list[int] = dataclasses.field(default_factory=list)  # for the n-1 forks
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self):
+        if not self.sequences:
+            self.sequences = [Sequence(0, list(self.prompt_token_ids), len(self.prompt_token_ids))]
+
+    @property
+    def is_forked(self) -> bool:
+        return len(self.sequences) == self.params.n
+
+    @property
+    def live_sequences(self) -> list[Sequence]:
+        return [seq for seq in self.sequences if not seq.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.is_forked and not self.live_sequences
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of a request's n outputs (vLLM's fields)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's state as returned by generate/step (vLLM's fields)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0

@@ -1,0 +1,248 @@
+"""The engine end to end on tiny Hugging Face checkpoints: parity with transformers through
+continuous batching, preemption, n > 1 sharing, chunked prefill, stops, aborts, bad input."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from jpaged import LLM, LLMEngine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompts_of(lengths, seed=0, vocab=320):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab, size=n).tolist() for n in lengths]
+
+
+@functools.cache
+def hf_greedy(path: str, prompt: tuple, max_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, min_new_tokens=max_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_for(path, **options):
+    defaults = dict(num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
+                    max_num_batched_tokens=64)
+    return LLMEngine.from_pretrained(path, **(defaults | options))
+
+
+def run_to_completion(engine, max_steps=2000):
+    outputs = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output
+    assert not engine.has_unfinished()
+    return outputs
+
+
+@pytest.mark.parametrize("name", ["llama_mha", "llama_gqa", "mistral", "qwen2", "llama_head_dim"])
+def test_greedy_matches_transformers_in_one_continuous_batch(hf_checkpoints, name):
+    path = hf_checkpoints[name]
+    prompts = prompts_of([3, 17, 40, 9], seed=1)
+    # Token budget 32 < the 40-token prompt: chunked prefill mixed with the others' decodes.
+    llm = LLM(path, num_kv_blocks=64, max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(path, tuple(prompt), 12), name
+        assert output.outputs[0].finish_reason == "length"
+    assert llm.stats()["num_free_blocks"] == 63
+
+
+def test_late_arrivals_join_the_next_step_and_blocks_return_at_once(hf_checkpoints):
+    engine = engine_for(hf_checkpoints["llama_gqa"])
+    total_free = engine.mirror.num_free
+    engine.add_request("a", prompt_token_ids=prompts_of([20])[0],
+                       params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.add_request("b", prompt_token_ids=prompts_of([5], seed=2)[0],
+                       params=SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    schedule_ids = []
+    finished_at = {}
+    for step in range(40):
+        if not engine.has_unfinished():
+            break
+        outputs = engine.step()
+        schedule_ids.append({o.request_id for o in outputs})
+        for output in outputs:
+            if output.finished:
+                finished_at[output.request_id] = step
+                if output.request_id == "a":
+                    blocks_of_b = -(-(5 + len(schedule_ids) - 1) // 16)
+                    # a's blocks are back the moment it finishes; only b holds blocks now.
+                    assert engine.mirror.num_free == total_free - blocks_of_b
+    assert schedule_ids[0] == {"a", "b"}  # b prefilled in the very next step, beside a's decode
+    assert finished_at["a"] < finished_at["b"]
+    assert engine.mirror.num_free == total_free
+    assert int(engine.runner.manager.num_free) == total_free
+
+
+def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    engine = engine_for(path)
+    prompt = prompts_of([40], seed=3)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    engine.add_request("n4", prompt_token_ids=prompt, params=params)
+    used = []
+    outputs = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] = output
+        used.append(engine.mirror.num_blocks - 1 - engine.mirror.num_free)
+    # Four separate requests would hold 4 x ceil(45 / 16) = 12 blocks; forks share the 2 full
+    # prompt blocks and copy only the partial one.
+    assert max(used) == 2 + 4 * 1
+    samples = [c.token_ids for c in outputs["n4"].outputs]
+    assert len({tuple(s) for s in samples}) > 1, "n samples must be distinct streams"
+    again = LLM(path, num_kv_blocks=96, max_model_len=256, max_num_seqs=8).generate(
+        prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == samples
+
+
+def test_small_pool_preempts_and_gives_the_same_greedy_outputs(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    prompts = prompts_of([30, 25, 20, 35, 12, 28], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    big = LLM(path, num_kv_blocks=128, max_model_len=128, max_num_seqs=8)
+    small = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8)
+    expected = big.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    got = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert small.stats()["num_preemptions"] > 0
+    assert sum(o.num_preemptions for o in got) == small.stats()["num_preemptions"]
+    assert any(o.num_recomputed_tokens > 0 for o in got)
+    assert small.stats()["num_free_blocks"] == 11
+
+
+def test_seeded_sampling_is_batch_invariant_under_preemption(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    prompts = prompts_of([30, 25, 20, 35], seed=5)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=16,
+                             ignore_eos=True) for i in range(4)]
+    alone = [LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=8).generate(
+        prompt_token_ids=[p], sampling_params=s, use_tqdm=False)[0] for p, s in
+        zip(prompts[:1], params[:1])]
+    squeezed = LLM(path, num_kv_blocks=10, max_model_len=128, max_num_seqs=8)
+    together = squeezed.generate(prompt_token_ids=prompts, sampling_params=params,
+                                 use_tqdm=False)
+    assert together[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert squeezed.stats()["num_preemptions"] > 0
+
+
+def test_compilations_stay_bounded_over_200_random_requests(hf_checkpoints):
+    engine = engine_for(hf_checkpoints["llama_gqa"], num_kv_blocks=160, max_num_seqs=16,
+                        max_num_batched_tokens=128)
+    rng = np.random.default_rng(6)
+    for index in range(200):
+        length = int(rng.integers(1, 60))
+        engine.add_request(f"r{index}", prompt_token_ids=rng.integers(2, 320, length).tolist(),
+                           params=SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 8)),
+                                                 ignore_eos=True))
+    outputs = run_to_completion(engine)
+    assert len(outputs) == 200
+    stats = engine.stats()
+    # Buckets: decode B in {4, 8, 16}, mixed T in {16, 32, 64, 128}, plus free/fork sizes.
+    assert stats["num_compilations"] <= 3 + 4 + 6, stats
+    assert stats["num_free_blocks"] == 159
+
+
+def test_stops_and_finish_reasons(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    prompt = prompts_of([8], seed=7)[0]
+    reference = hf_greedy(path, tuple(prompt), 12)
+    engine = engine_for(path)
+    stop_token = reference[3]
+    engine.add_request("tok", prompt_token_ids=prompt,
+                       params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                             stop_token_ids=[stop_token]))
+    engine.add_request("len", prompt_token_ids=prompt,
+                       params=SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    outputs = run_to_completion(engine)
+    first = reference.index(stop_token)
+    assert outputs["tok"].outputs[0].token_ids == reference[:first + 1]
+    assert outputs["tok"].outputs[0].finish_reason == "stop"
+    assert outputs["len"].outputs[0].token_ids == reference[:5]
+    assert outputs["len"].outputs[0].finish_reason == "length"
+
+
+def test_stop_string_truncates_text(hf_checkpoints):
+    llm = LLM(hf_checkpoints["llama_gqa"], num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
+    free_text = llm.generate(["The quick brown"], SamplingParams(temperature=0, max_tokens=20,
+                                                                ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].text
+    assert len(free_text) > 4
+    stop = free_text[2:4]
+    out = llm.generate(["The quick brown"], SamplingParams(temperature=0, max_tokens=20,
+                                                          ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free_text[:free_text.index(stop)]
+
+
+def test_abort_frees_blocks_and_others_carry_on(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    engine = engine_for(path)
+    total = engine.mirror.num_free
+    prompts = prompts_of([20, 10], seed=8)
+    engine.add_request("keep", prompt_token_ids=prompts[0], params=GREEDY)
+    engine.add_request("drop", prompt_token_ids=prompts[1], params=GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.abort("drop")
+    assert not engine.abort("drop")
+    outputs = run_to_completion(engine)
+    assert list(outputs) == ["keep"]
+    assert outputs["keep"].outputs[0].token_ids == hf_greedy(path, tuple(prompts[0]), 12)
+    assert engine.mirror.num_free == total
+    assert int(engine.runner.manager.num_free) == total
+
+
+def test_bad_input_is_rejected_before_anything_runs(hf_checkpoints):
+    llm = LLM(hf_checkpoints["llama_gqa"], num_kv_blocks=16, max_model_len=128, max_num_seqs=4)
+    engine = llm.engine
+    engine.add_request("inflight", prompt_token_ids=[5, 6, 7], params=GREEDY)
+    engine.step()
+    cases = [
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(prompt_token_ids=list(range(2, 200))), "max_model_len"),
+        (dict(prompt_token_ids=[5] * 100, params=SamplingParams(max_tokens=20, n=2)), "blocks"),
+        (dict(prompt_token_ids=[5, 999]), "outside"),
+        (dict(prompt_token_ids=[5], params=SamplingParams(n=5)), "max_num_seqs"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", **kwargs)
+    for kwargs, name in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                         (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+                         (dict(top_k=0), "top_k")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate(prompt_token_ids=[[5, 6], []], sampling_params=GREEDY, use_tqdm=False)
+    outputs = run_to_completion(engine)
+    assert list(outputs) == ["inflight"]  # nothing bad was queued, the in-flight request is whole
+    assert len(outputs["inflight"].outputs[0].token_ids) == 12
+
+
+def test_logprobs_are_reported(hf_checkpoints):
+    llm = LLM(hf_checkpoints["llama_gqa"], num_kv_blocks=32, max_model_len=128, max_num_seqs=4)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and 3 <= len(entry) <= 4
+        assert entry[token] == max(entry.values())  # greedy picks the most likely token
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in
+                                                       zip(out.token_ids, out.logprobs)))
