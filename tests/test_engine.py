@@ -246,3 +246,18 @@ def test_logprobs_are_reported(hf_checkpoints):
         assert entry[token] == max(entry.values())  # greedy picks the most likely token
     assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in
                                                        zip(out.token_ids, out.logprobs)))
+
+
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+def test_engine_runs_each_kernel_backend(hf_checkpoints, backend):
+    """The whole engine with a Pallas kernel (interpret mode on the CPU) gives the reference's
+    greedy tokens, through chunked prefill, mixed steps and decode steps."""
+    path = hf_checkpoints["llama_gqa"]
+    prompts = prompts_of([21, 5], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(path, num_kv_blocks=16, max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=16, attention_backend=backend)
+    assert llm.stats()["attention_backend"] == backend
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(path, tuple(prompt), 12)[:4]

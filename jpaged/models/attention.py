@@ -1,17 +1,17 @@
 """Paged attention as the model sees it: per-step metadata and the one call into pallas_kernels.
 
 This is the only model module that imports `pallas_kernels`. The kernel is picked by
-`AttentionMetadata.backend`; today only the plain-jnp reference exists, and when the dispatching
-kernels land the switch is the `_attend` function below.
+`AttentionMetadata.backend` (the plain-jnp reference, or the Pallas GPU/TPU kernels, which run in
+interpret mode when `interpret` is set, e.g. on a CPU).
 """
 
 import dataclasses
 
 import jax
 
-from pallas_kernels import reference
+import pallas_kernels
 
-BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+BACKENDS = pallas_kernels.BACKENDS
 
 
 @jax.tree_util.register_dataclass
@@ -57,12 +57,10 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, scale: flo
 
 def _attend(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float):
     """The single place that binds a kernel implementation."""
-    if metadata.backend != "reference":
-        raise ValueError(f"attention backend {metadata.backend!r} is not available yet; "
-                         "use backend='reference'")
+    options = dict(scale=scale, backend=metadata.backend, interpret=metadata.interpret)
     if metadata.is_decode:
-        return reference.paged_attention_decode(
-            q, k_pages, v_pages, metadata.block_tables, metadata.context_lens, scale=scale)
-    return reference.paged_attention_prefill(
+        return pallas_kernels.paged_attention_decode(
+            q, k_pages, v_pages, metadata.block_tables, metadata.context_lens, **options)
+    return pallas_kernels.paged_attention_prefill(
         q, k_pages, v_pages, metadata.block_tables, metadata.context_lens,
-        metadata.query_start_loc, scale=scale)
+        metadata.query_start_loc, **options)
