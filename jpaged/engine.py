@@ -9,17 +9,30 @@ sequences at once).
 
 import itertools
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jpaged.block_mirror import HostBlockMirror
 from jpaged.detokenizer import IncrementalDetokenizer
-from jpaged.engine_config import EngineConfig, resolve_engine_config
+from jpaged.engine_config import EngineConfig, build_engine_config, resolve_engine_config
 from jpaged.request import CompletionOutput, Request, RequestOutput, Sequence
 from jpaged.runner import ModelRunner
 from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow, request_seed
 from jpaged.scheduler import Scheduler
+
+
+class StepRecord(NamedTuple):
+    """One step, for benchmarks: device_seconds spans input transfer, the compiled step and the
+    output transfer; host_seconds is scheduling and output processing."""
+    is_decode: bool
+    num_seqs: int
+    num_tokens: int
+    context_tokens: int      # tokens attended over, summed over the batch's sequences
+    device_seconds: float
+    host_seconds: float
+    compiled: bool           # this step compiled a new shape (its times include the compile)
 
 
 class LLMEngine:
@@ -46,12 +59,18 @@ class LLMEngine:
         self.num_steps = 0
         self.host_seconds = 0.0
         self.device_seconds = 0.0
+        self.step_log: list[StepRecord] | None = None  # set to [] to record every step
 
     @classmethod
     def from_pretrained(cls, model=None, **options) -> "LLMEngine":
         """Load a Hugging Face directory (None: the built-in model) and size the KV pool."""
         model_obj, tokenizer, config = resolve_engine_config(model, **options)
         return cls(model_obj, tokenizer, config)
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **options) -> "LLMEngine":
+        """An engine over a model already built in memory (e.g. random weights for benchmarks)."""
+        return cls(model, tokenizer, build_engine_config(model, **options))
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None, *,
@@ -147,11 +166,18 @@ class LLMEngine:
         num_logprobs = max(row.request.params.logprobs or 0 for row in schedule.rows)
         device_start = time.perf_counter()
         sampled = self.runner.execute(rows, sampling_rows, num_logprobs)
-        self.device_seconds += time.perf_counter() - device_start
+        device_seconds = time.perf_counter() - device_start
         outputs = self._process(targets, sampled)
         self._flush_block_ops()  # finished sequences' blocks return now, not at the next step
+        total_seconds = time.perf_counter() - start
         self.num_steps += 1
-        self.host_seconds += time.perf_counter() - start
+        self.device_seconds += device_seconds
+        self.host_seconds += total_seconds
+        if self.step_log is not None:
+            self.step_log.append(StepRecord(
+                schedule.is_decode, len(schedule.rows), schedule.num_tokens,
+                sum(row.start + row.num_tokens for row in schedule.rows), device_seconds,
+                total_seconds - device_seconds, self.runner.last_step_compiled))
         return outputs
 
     def _process(self, targets, sampled) -> list[RequestOutput]:
@@ -246,6 +272,8 @@ class LLMEngine:
                               if runner.num_real_tokens else 0.0),
             "host_seconds_per_step": ((self.host_seconds - self.device_seconds) / self.num_steps
                                       if self.num_steps else 0.0),
+            "device_seconds_per_step": (self.device_seconds / self.num_steps
+                                        if self.num_steps else 0.0),
             "backend": jax.default_backend(),
             "attention_backend": self.config.attention_backend,
         }

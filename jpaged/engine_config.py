@@ -58,17 +58,24 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent / "assets" / "default_model"
 
 
-def resolve_engine_config(model=None, *, dtype="auto", block_size=16, num_kv_blocks=None,
-                          gpu_memory_utilization=0.9, max_num_seqs=256, max_model_len=None,
-                          max_num_batched_tokens=None, seed=0, attention_backend="auto",
-                          kv_cache_dtype="auto"):
-    """Load the model and tokenizer and size the engine. Returns (model, tokenizer, config)."""
+def resolve_engine_config(model=None, *, dtype="auto", **options):
+    """Load the model (None: the built-in one) and tokenizer and size the engine.
+
+    Returns (model, tokenizer, EngineConfig); options are `build_engine_config`'s.
+    """
+    model_dir = default_model_dir() if model is None else Path(model)
+    llm_model, _ = load_model(model_dir, dtype=dtype)
+    return llm_model, load_tokenizer(model_dir), build_engine_config(llm_model, **options)
+
+
+def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9,
+                        max_num_seqs=256, max_model_len=None, max_num_batched_tokens=None, seed=0,
+                        attention_backend="auto", kv_cache_dtype="auto") -> EngineConfig:
+    """Engine settings for a model already in memory (its weights count against the budget)."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                          f"{gpu_memory_utilization}")
-    model_dir = default_model_dir() if model is None else Path(model)
-    llm_model, model_config = load_model(model_dir, dtype=dtype)
-    tokenizer = load_tokenizer(model_dir)
+    model_config = model.config
     if max_model_len is None:
         max_model_len = model_config.max_model_len
     if max_model_len > model_config.max_model_len:
@@ -77,7 +84,7 @@ def resolve_engine_config(model=None, *, dtype="auto", block_size=16, num_kv_blo
                          "sliding window, past which full attention would be wrong)")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(2048, block_size)
-    kv_dtype = (llm_model.dtype.name if kv_cache_dtype == "auto"
+    kv_dtype = (model.dtype.name if kv_cache_dtype == "auto"
                 else normalize_dtype(kv_cache_dtype))
     backend, interpret = resolve_attention_backend(attention_backend)
     if num_kv_blocks is None:
@@ -85,11 +92,10 @@ def resolve_engine_config(model=None, *, dtype="auto", block_size=16, num_kv_blo
                                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      utilization=gpu_memory_utilization)
-    config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size,
-                          max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                          kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret)
-    return llm_model, tokenizer, config
+    return EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size,
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+                        kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret)
 
 
 def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:

@@ -72,6 +72,7 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.num_padded_tokens = 0
         self.num_real_tokens = 0
+        self.last_step_compiled = False
 
     # ---- block-manager operations queued by the scheduler ----------------------------------
     def apply_ops(self, ops):
@@ -89,6 +90,8 @@ class ModelRunner:
 
     def _timed(self, key, fn, *args, **kwargs):
         is_new = key not in self.compiled_shapes
+        if key[0] == "step":
+            self.last_step_compiled = is_new
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         if is_new:
@@ -132,7 +135,7 @@ class ModelRunner:
             batch = size = samples = bucket(len(rows), 4, self.max_num_seqs)
         else:
             batch = samples = self.max_num_seqs
-            size = bucket(num_tokens, 16, self.max_num_batched_tokens)
+            size = bucket(num_tokens, 128, self.max_num_batched_tokens)
         self.num_padded_tokens += size
         self.num_real_tokens += num_tokens
         token_ids = np.zeros(size, np.int32)
