@@ -13,6 +13,9 @@ them and masks the result, so it is NaN-safe (masked values are zeroed, not just
 import jax
 import jax.numpy as jnp
 
+# Full float32 matmuls: GPUs default to TF32 (~1e-3 relative error), too loose for an oracle.
+_EXACT = jax.lax.Precision.HIGHEST
+
 
 def check_page_layout(k_pages, v_pages, num_kv_heads=None, head_dim=None):
     """Raise ValueError unless k_pages/v_pages are matching [K, N, S, D] arrays."""
@@ -99,14 +102,14 @@ def _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token
     k_tok = keys[seq_of_token].astype(jnp.float32)     # [T, K, C, D]
     v_tok = values[seq_of_token].astype(jnp.float32)
     v_tok = jnp.where(visible[:, None, :, None], v_tok, 0.0)
-    scores = jnp.einsum("tkgd,tkcd->tkgc", qg, k_tok) * scale
+    scores = jnp.einsum("tkgd,tkcd->tkgc", qg, k_tok, precision=_EXACT) * scale
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.exp(scores - row_max)
     weights = jnp.where(visible[:, None, None, :], weights, 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("tkgc,tkcd->tkgd", weights, v_tok) / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("tkgc,tkcd->tkgd", weights, v_tok, precision=_EXACT) / jnp.where(denom > 0, denom, 1.0)
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
@@ -137,8 +140,8 @@ def dense_causal_attention(q, k, v, *, scale=None, query_offset=0):
     scale = head_dim ** -0.5 if scale is None else scale
     k = jnp.repeat(k, num_heads // num_kv_heads, axis=1).astype(jnp.float32)
     v = jnp.repeat(v, num_heads // num_kv_heads, axis=1).astype(jnp.float32)
-    scores = jnp.einsum("qhd,chd->hqc", q.astype(jnp.float32), k) * scale
+    scores = jnp.einsum("qhd,chd->hqc", q.astype(jnp.float32), k, precision=_EXACT) * scale
     mask = jnp.arange(k.shape[0])[None] <= (query_offset + jnp.arange(num_q))[:, None]
     scores = jnp.where(mask[None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("hqc,chd->qhd", weights, v).astype(q.dtype)
+    return jnp.einsum("hqc,chd->qhd", weights, v, precision=_EXACT).astype(q.dtype)

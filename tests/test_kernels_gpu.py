@@ -136,17 +136,27 @@ def test_decode_split_k_variants(num_splits, tokens_per_step):
 @pytest.mark.parametrize("case", GRID, ids=grid_id)
 def test_prefill_matches_reference(case):
     problem = make_prefill(case)
-    out = pk.paged_attention_prefill_gpu(*problem.prefill_args, interpret=INTERPRET, block_q=16)
+    out = pk.paged_attention_prefill_gpu(*problem.prefill_args, interpret=INTERPRET)
     assert_matches(out, ref_prefill(*problem.prefill_args), case[3])
     padding_rows = np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32)
     assert not np.any(padding_rows), "padding rows must be zeros"
+
+
+@pytest.mark.parametrize("block_q,tokens_per_step", [(4, 16), (32, 32)])
+def test_prefill_tilings(block_q, tokens_per_step):
+    """Many small tiles per sequence (4 tokens x 4 heads), and tiles larger than any chunk."""
+    case = ("gqa", 64, 16, F32)
+    problem = make_prefill(case, seed=3)
+    out = pk.paged_attention_prefill_gpu(*problem.prefill_args, interpret=INTERPRET,
+                                         block_q=block_q, tokens_per_step=tokens_per_step)
+    assert_matches(out, ref_prefill(*problem.prefill_args), F32)
 
 
 def test_prefill_decode_rows_equal_decode_kernel():
     """A batch of q_len 1 rows through the prefill kernel is a decode."""
     case = ("gqa", 64, 16, F32)
     problem = make_decode(case, seed=2)
-    out = pk.paged_attention_prefill_gpu(*problem.prefill_args, interpret=INTERPRET, block_q=16)
+    out = pk.paged_attention_prefill_gpu(*problem.prefill_args, interpret=INTERPRET)
     assert_matches(out, ref_decode(*problem.decode_args), F32)
 
 
@@ -155,8 +165,7 @@ def test_never_reads_table_entries_past_last_block():
     case = GRID[0]  # shapes already compiled by the grid tests
     problem = make_prefill(case, seed=4)
     poisoned = testing.poison_unused_table_entries(problem)
-    prefill = pk.paged_attention_prefill_gpu(*poisoned.prefill_args, interpret=INTERPRET,
-                                             block_q=16)
+    prefill = pk.paged_attention_prefill_gpu(*poisoned.prefill_args, interpret=INTERPRET)
     assert_matches(prefill, ref_prefill(*problem.prefill_args), case[3])
     problem = testing.poison_unused_table_entries(make_decode(case, seed=4))
     decode = pk.paged_attention_decode_gpu(*problem.decode_args, interpret=INTERPRET)
