@@ -1,0 +1,1 @@
+"""Pallas GPU kernels (Triton backend): paged decode and ragged prefill attention."""
