@@ -27,13 +27,16 @@ class HostBlockMirror:
     def num_free(self) -> int:
         return len(self.free_stack)
 
-    def blocks_needed(self, rows: list[tuple[int, int]]) -> int:
+    def blocks_needed(self, rows: list[tuple[int, int]], holders: dict | None = None) -> int:
         """New blocks appending rows of (seq_id, num_tokens) in batch order would pop.
 
         Copy-on-write included: of several rows writing into one shared partial block, each copies
-        while another holder remains, so the last holder writes in place.
+        while another holder remains, so the last holder writes in place. `holders` carries the
+        remaining holders of shared blocks between calls, so a batch can be costed piecewise
+        (pass the same dict for rows appended after earlier ones); it is updated in place.
         """
-        size, total, holders = self.block_size, 0, {}
+        size, total = self.block_size, 0
+        holders = {} if holders is None else holders
         for seq_id, count in rows:
             if seq_id < 0 or count == 0:
                 continue

@@ -13,7 +13,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: sequences are compared by who they are
 class Sequence:
     """One output stream: the prompt plus its generated tokens, and what the cache holds of them."""
     index: int                       # sample index within the request (0 .. n-1)
@@ -40,7 +40,7 @@ class Sequence:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity, so queue membership tests stay O(1) per item
 class Request:
     """A prompt and its n sequences. Only sequence 0 exists until the prompt is prefilled; then
     the others fork from it and share its prompt blocks."""

@@ -129,6 +129,7 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._planned_blocks, self._holders = 0, {}
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         budget = self.max_num_batched_tokens
@@ -136,13 +137,13 @@ class Scheduler:
         while index < len(self.running):
             request = self.running[index]
             new_rows = self._rows_for(request, budget)
-            while new_rows and not self._fits(rows + new_rows, 0):
+            while new_rows and not self._reserve(new_rows, 0):
                 victim = self._pick_victim(index)
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     new_rows = []
-            if request in self.running:
+            if request.status is SequenceStatus.RUNNING:
                 rows += new_rows
                 budget -= sum(row.num_tokens for row in new_rows)
                 index += 1
@@ -152,8 +153,7 @@ class Scheduler:
             if len(self.free_slots) < needed_slots:
                 break
             new_rows = self._rows_for(request, budget)
-            if not new_rows or not self._fits(rows + new_rows, self.watermark_blocks,
-                                              fresh=True):
+            if not new_rows or not self._reserve(new_rows, self.watermark_blocks):
                 break
             self._admit(request, needed_slots)
             rows += new_rows
@@ -183,14 +183,22 @@ class Scheduler:
             budget -= count
         return rows
 
-    def _fits(self, rows: list[ScheduledRow], reserve: int, fresh=False) -> bool:
-        # Sequences not yet admitted have no slot: they append onto an empty table, which a
-        # placeholder row of their length models exactly (no sharing, no copy).
-        known = [(row.seq.slot, row.num_tokens) for row in rows if row.seq.slot >= 0]
-        needed = self.mirror.blocks_needed(known)
+    def _reserve(self, new_rows: list[ScheduledRow], reserve: int) -> bool:
+        """Add new_rows' blocks to this step's plan if the pool (less `reserve`) can serve them.
+
+        Costed incrementally: earlier rows' blocks and shared-block holders carry over, so a step
+        costs O(rows), not O(rows^2). Sequences without a slot yet append onto an empty table.
+        """
+        holders = dict(self._holders)
+        known = [(row.seq.slot, row.num_tokens) for row in new_rows if row.seq.slot >= 0]
+        needed = self.mirror.blocks_needed(known, holders)
         block_size = self.mirror.block_size
-        needed += sum(-(-row.num_tokens // block_size) for row in rows if row.seq.slot < 0)
-        return needed <= self.mirror.num_free - reserve
+        needed += sum(-(-row.num_tokens // block_size) for row in new_rows if row.seq.slot < 0)
+        if self._planned_blocks + needed > self.mirror.num_free - reserve:
+            return False
+        self._planned_blocks += needed
+        self._holders = holders
+        return True
 
     def _admit(self, request: Request, needed_slots: int):
         self.waiting.popleft()
