@@ -56,6 +56,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
+        self.num_loops_out_of_blocks = 0   # device loops that stopped early for lack of blocks
         self.num_steps = 0
         self.host_seconds = 0.0
         self.device_seconds = 0.0
@@ -149,25 +150,24 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; return the outputs of requests that made progress."""
+        """Schedule and run one step; return the outputs of requests that made progress.
+
+        A step of pure decodes runs as one device loop of up to `num_scheduler_steps` iterations
+        when no request is waiting (so new requests join at the next step: TTFT is unaffected),
+        and of one iteration otherwise.
+        """
         start = time.perf_counter()
         schedule = self.scheduler.schedule()
         self._flush_block_ops()
         if not schedule.rows:
             return []
-        rows = [(row.seq.slot, row.token_ids) for row in schedule.rows]
-        sampling_rows, targets = [], []
-        for index, row in enumerate(schedule.rows):
-            position = row.start + row.num_tokens
-            for sample_index in row.sample_indices:
-                sampling_rows.append((index, SamplingRow(row.request.params, row.request.seed,
-                                                         sample_index, position)))
-                targets.append((row, sample_index))
-        num_logprobs = max(row.request.params.logprobs or 0 for row in schedule.rows)
         device_start = time.perf_counter()
-        sampled = self.runner.execute(rows, sampling_rows, num_logprobs)
+        if self._is_pure_decode(schedule):
+            results, device_freed = self._run_decode_loop(schedule)
+        else:
+            results, device_freed = self._run_step(schedule), []
         device_seconds = time.perf_counter() - device_start
-        outputs = self._process(targets, sampled)
+        outputs = self._process(results, device_freed)
         self._flush_block_ops()  # finished sequences' blocks return now, not at the next step
         total_seconds = time.perf_counter() - start
         self.num_steps += 1
@@ -180,30 +180,90 @@ class LLMEngine:
                 total_seconds - device_seconds, self.runner.last_step_compiled))
         return outputs
 
-    def _process(self, targets, sampled) -> list[RequestOutput]:
-        token_ids, logprobs, top_ids, top_logprobs = sampled
+    @staticmethod
+    def _is_pure_decode(schedule) -> bool:
+        return all(row.num_tokens == 1 and row.sample_indices == (row.seq.index,)
+                   for row in schedule.rows)
+
+    def _run_step(self, schedule):
+        """One compiled step of any mix; returns [(row, sample_index, samples)]."""
+        rows = [(row.seq.slot, row.token_ids) for row in schedule.rows]
+        sampling_rows, targets = [], []
+        for index, row in enumerate(schedule.rows):
+            position = row.start + row.num_tokens
+            for sample_index in row.sample_indices:
+                sampling_rows.append((index, SamplingRow(row.request.params, row.request.seed,
+                                                         sample_index, position)))
+                targets.append((row, sample_index))
+        num_logprobs = max(row.request.params.logprobs or 0 for row in schedule.rows)
+        token_ids, logprobs, top_ids, top_logprobs = self.runner.execute(
+            rows, sampling_rows, num_logprobs)
+        return [(row, sample_index, [(int(token_ids[i]), float(logprobs[i]), top_ids[i],
+                                      top_logprobs[i])])
+                for i, (row, sample_index) in enumerate(targets)]
+
+    def _run_decode_loop(self, schedule):
+        """Up to K decode iterations on the device; returns the samples and the sequences the
+        device already retired (their blocks are free there and in the mirror)."""
+        rows = schedule.rows
+        num_steps = 1 if self.scheduler.waiting else self.config.num_scheduler_steps
+        result = self.runner.execute_decode(
+            [(row.seq.slot, row.token_ids[0]) for row in rows],
+            [SamplingRow(row.request.params, row.request.seed, row.seq.index,
+                         row.start + 1) for row in rows],
+            [row.request.params.max_tokens - len(row.seq.output_token_ids) for row in rows],
+            [self._stop_ids(row.request.params) for row in rows],
+            num_steps, self.config.num_scheduler_steps, self.config.max_model_len,
+            max(row.request.params.logprobs or 0 for row in rows))
+        done_at = [int(d) for d in result.done_at]
+        num_done = int(result.num_done)
+        self.num_loops_out_of_blocks += bool(result.out_of_blocks)
+        self.scheduler.replay_decode_loop(rows, done_at, num_done)
+        results = []
+        for b, row in enumerate(rows):
+            count = done_at[b] + 1 if done_at[b] >= 0 else num_done
+            row.seq.num_computed += count - 1
+            results.append((row, row.seq.index, [
+                (int(result.token_ids[i, b]), float(result.logprobs[i, b]), result.top_ids[i, b],
+                 result.top_logprobs[i, b]) for i in range(count)]))
+        return results, [row.seq for b, row in enumerate(rows) if done_at[b] >= 0]
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids += [t for t in self.eos_token_ids if t not in ids]
+        return ids
+
+    def _process(self, results, device_freed: list[Sequence]) -> list[RequestOutput]:
+        """Apply sampled tokens: forks at a prompt's end, stops, frees, outputs."""
         touched: dict[str, Request] = {}
         children: dict[str, list[Sequence]] = {}
         finished: list[Sequence] = []
         now = time.monotonic()
-        for index, (row, sample_index) in enumerate(targets):
+        for row, sample_index, samples in results:
             request = row.request
             seq = row.seq
             if sample_index != seq.index:  # the n-1 siblings come to life at the prompt's end
                 seq = self._new_child(request, row.seq, sample_index)
                 children.setdefault(request.request_id, []).append(seq)
-            self._append_token(request, seq, int(token_ids[index]), float(logprobs[index]),
-                               top_ids[index], top_logprobs[index])
+            for token, logprob, top_ids, top_logprobs in samples:
+                self._append_token(request, seq, token, logprob, top_ids, top_logprobs)
+                if seq.is_finished:
+                    break
             if request.first_token_time is None:
                 request.first_token_time = now
             touched[request.request_id] = request
             if seq.is_finished:
                 finished.append(seq)
+        for seq in device_freed:
+            assert seq.is_finished, "the device retired a sequence the host thinks is running"
         for request_id, new in children.items():  # fork before any free: parents may finish
             live = [seq for seq in new if not seq.is_finished]
             if live:
                 self.scheduler.fork(touched[request_id], live)
-        self.scheduler.finish(finished)
+        freed_ids = {id(seq) for seq in device_freed}
+        self.scheduler.finish([seq for seq in finished if id(seq) not in freed_ids])
+        self.scheduler.release_slots(device_freed)
         outputs = []
         for request in touched.values():
             if request.is_finished:
@@ -266,6 +326,7 @@ class LLMEngine:
             "num_compilations": runner.num_compilations,
             "compile_seconds": runner.compile_seconds,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_loops_out_of_blocks": self.num_loops_out_of_blocks,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             "padding_waste": (runner.num_padded_tokens / runner.num_real_tokens

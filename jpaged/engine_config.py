@@ -27,10 +27,11 @@ class EngineConfig:
     kv_dtype: str = "float32"
     attention_backend: str = "reference"
     interpret: bool = False
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len",
-                     "max_num_batched_tokens"):
+                     "max_num_batched_tokens", "num_scheduler_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -70,7 +71,8 @@ def resolve_engine_config(model=None, *, dtype="auto", **options):
 
 def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9,
                         max_num_seqs=256, max_model_len=None, max_num_batched_tokens=None, seed=0,
-                        attention_backend="auto", kv_cache_dtype="auto") -> EngineConfig:
+                        attention_backend="auto", kv_cache_dtype="auto",
+                        num_scheduler_steps=1) -> EngineConfig:
     """Engine settings for a model already in memory (its weights count against the budget)."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
@@ -95,7 +97,8 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
     return EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                        kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret)
+                        kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret,
+                        num_scheduler_steps=num_scheduler_steps)
 
 
 def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:

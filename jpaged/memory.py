@@ -89,16 +89,8 @@ def _select(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def append_tokens(state: BlockManagerState, seq_ids, num_tokens, *, max_tokens: int):
-    """Append num_tokens[b] tokens to each sequence seq_ids[b]; returns (state, AppendResult).
-
-    seq_ids: [B] int32 (-1 = padded row; no id twice); num_tokens: [B] int32 in [0, max_tokens].
-    New blocks come off the free stack only where a sequence crosses a block boundary. If the
-    sequence's partly filled last block is shared (refcount > 1) and the row writes into it, a
-    fresh block replaces it in the table first (copy-on-write) and (src, dst) is returned for the
-    cache to copy. Covers prompt allocation (a fresh sequence), one-token decode appends and
-    prefill chunks alike. slot_mapping is [B, max_tokens], -1 past each row's count.
-    """
+def _plan(state: BlockManagerState, seq_ids, num_tokens):
+    """What an append of num_tokens[b] to seq_ids[b] needs: blocks per row, copy-on-write, ok."""
     size = state.block_size
     active = seq_ids >= 0
     sid = jnp.where(active, seq_ids, 0)
@@ -116,9 +108,31 @@ def append_tokens(state: BlockManagerState, seq_ids, num_tokens, *, max_tokens: 
     rank = jnp.sum(same_block, axis=1)
     needs_cow = writes_shared & (rank < state.refcounts[last_block] - 1)
     need = new_blocks - old_blocks + needs_cow
-    total = jnp.sum(need)
     fits = jnp.all(jnp.where(active, new_blocks <= state.max_blocks_per_seq, True))
-    ok = (total <= state.num_free) & fits
+    ok = (jnp.sum(need) <= state.num_free) & fits
+    return active, sid, count, old_len, new_len, last_idx, last_block, needs_cow, need, ok
+
+
+def can_append(state: BlockManagerState, seq_ids, num_tokens):
+    """[] bool: would append_tokens(state, seq_ids, num_tokens) succeed? Changes nothing."""
+    return _plan(state, seq_ids, num_tokens)[-1]
+
+
+def append_tokens(state: BlockManagerState, seq_ids, num_tokens, *, max_tokens: int):
+    """Append num_tokens[b] tokens to each sequence seq_ids[b]; returns (state, AppendResult).
+
+    seq_ids: [B] int32 (-1 = padded row; no id twice); num_tokens: [B] int32 in [0, max_tokens].
+    New blocks come off the free stack only where a sequence crosses a block boundary. If the
+    sequence's partly filled last block is shared (refcount > 1) and the row writes into it, a
+    fresh block replaces it in the table first (copy-on-write) and (src, dst) is returned for the
+    cache to copy. Covers prompt allocation (a fresh sequence), one-token decode appends and
+    prefill chunks alike. slot_mapping is [B, max_tokens], -1 past each row's count.
+    """
+    size = state.block_size
+    active, sid, count, old_len, new_len, last_idx, last_block, needs_cow, need, ok = _plan(
+        state, seq_ids, num_tokens)
+    old_blocks = _cdiv(old_len, size)
+    total = jnp.sum(need)
 
     # Row b takes pops offsets[b] .. offsets[b] + need[b] - 1; the CoW block (if any) comes first.
     max_new = _cdiv(max_tokens, size) + 1

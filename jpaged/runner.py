@@ -43,6 +43,45 @@ class StepInputs:
     sampling: SamplingTensors
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """The host's part of a multi-step decode (padded to a batch bucket B).
+
+    token_ids: [B] int32, each row's newest token (not yet in the cache).
+    seq_ids: [B] int32 block-manager rows (-1: padded row).
+    sampling: SamplingTensors with [B] leaves; positions are those of the first sampled token.
+    remaining: [B] int32, tokens each row may still generate (max_tokens minus those it has).
+    stop_ids: [B, W] int32 token ids that end each row (EOS unless ignored, stop_token_ids); -1 pads.
+    num_steps: [] int32, iterations wanted (<= the static cap).
+    """
+    token_ids: jax.Array
+    seq_ids: jax.Array
+    sampling: SamplingTensors
+    remaining: jax.Array
+    stop_ids: jax.Array
+    num_steps: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+    """What a multi-step decode hands back in one transfer.
+
+    token_ids, logprobs: [K, B]; top_ids, top_logprobs: [K, B, L]: iteration i's samples.
+    done_at: [B] int32, the iteration at which a row finished on the device (its blocks are
+    already free), -1 if it did not. num_done: [] int32 iterations run. out_of_blocks: [] bool,
+    the loop stopped early because the pool could not serve the next iteration.
+    """
+    token_ids: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    done_at: jax.Array
+    num_done: jax.Array
+    out_of_blocks: jax.Array
+
+
 def bucket(n: int, floor: int, cap: int) -> int:
     """Smallest power of two >= n (at least floor), capped at cap (which must be >= n)."""
     if n > cap:
@@ -90,7 +129,7 @@ class ModelRunner:
 
     def _timed(self, key, fn, *args, **kwargs):
         is_new = key not in self.compiled_shapes
-        if key[0] == "step":
+        if key[0] in ("step", "decode"):
             self.last_step_compiled = is_new
         start = time.perf_counter()
         result = fn(*args, **kwargs)
@@ -125,6 +164,41 @@ class ModelRunner:
         count = len(sampling_rows)
         return (out.token_ids[:count], out.logprobs[:count], out.top_ids[:count],
                 out.top_logprobs[:count])
+
+    def execute_decode(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
+                       max_steps: int, max_model_len: int, num_logprobs: int):
+        """Run up to num_steps decode iterations in one device loop (see `_decode_loop_impl`).
+
+        rows: [(seq_id, last_token)], one sampled row each, in order; remaining: [int];
+        stop_ids: [[int]] per row. Returns the DecodeResult on the host, cut to the real rows.
+        """
+        batch = bucket(len(rows), 4, self.max_num_seqs)
+        width = bucket(max((len(ids) for ids in stop_ids), default=1), 4, 1 << 16)
+        token_ids = np.zeros(batch, np.int32)
+        seq_ids = np.full(batch, -1, np.int32)
+        remaining_arr = np.zeros(batch, np.int32)
+        stop_arr = np.full((batch, width), -1, np.int32)
+        for index, ((seq_id, token), left, ids) in enumerate(zip(rows, remaining, stop_ids)):
+            token_ids[index], seq_ids[index], remaining_arr[index] = token, seq_id, left
+            stop_arr[index, :len(ids)] = ids
+        sampling = SamplingTensors.from_rows([r for r in sampling_rows], batch)
+        inputs = DecodeInputs(token_ids, seq_ids, sampling, remaining_arr, stop_arr,
+                              np.int32(num_steps))
+        self.num_padded_tokens += batch * num_steps
+        self.num_real_tokens += len(rows) * num_steps
+        logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
+        key = ("decode", batch, width, max_steps, logprob_bucket)
+        self.manager, self.cache, result = self._timed(
+            key, _decode_loop, self.params, self.manager, self.cache, jax.device_put(inputs),
+            graphdef=self.graphdef, max_steps=max_steps, max_model_len=max_model_len,
+            num_logprobs=logprob_bucket, backend=self.attention_backend,
+            interpret=self.interpret)
+        result = jax.device_get(result)
+        count = len(rows)
+        return dataclasses.replace(
+            result, token_ids=result.token_ids[:, :count], logprobs=result.logprobs[:, :count],
+            top_ids=result.top_ids[:, :count], top_logprobs=result.top_logprobs[:, :count],
+            done_at=result.done_at[:count])
 
     def _build_inputs(self, rows, sampling_rows):
         num_tokens = sum(len(tokens) for _, tokens in rows)
@@ -200,9 +274,77 @@ def _step_impl(params, manager, cache, inputs: StepInputs, *, graphdef, is_decod
     return manager, cache, out, appended.ok
 
 
+def _decode_loop_impl(params, manager, cache, inputs: DecodeInputs, *, graphdef, max_steps,
+                      max_model_len, num_logprobs, backend, interpret):
+    """Up to inputs.num_steps decode iterations for the whole batch in one `lax.while_loop`.
+
+    Each iteration appends every live row's newest token on the device block manager (a fresh
+    block when a row crosses a block boundary, copy-on-write when its last block is shared), runs
+    the model, samples, and retires rows that produced a stop id or used up their `remaining`
+    tokens or max_model_len: their blocks are freed inside the loop. The loop stops when the
+    iterations are done, every row has finished, or the pool cannot serve the next iteration
+    (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is exactly
+    (append live rows, free rows done at i), which `HostBlockMirror` repeats.
+    """
+    model = nnx.merge(graphdef, params)
+    batch = inputs.seq_ids.shape[0]
+    top_width = num_logprobs
+    ones = jnp.ones(batch, jnp.int32)
+
+    def live_ids(active):
+        return jnp.where(active, inputs.seq_ids, -1)
+
+    def cond(carry):
+        step, manager, _, active = carry[0], carry[1], carry[2], carry[4]
+        return ((step < jnp.minimum(inputs.num_steps, max_steps)) & jnp.any(active)
+                & memory.can_append(manager, live_ids(active), ones))
+
+    def body(carry):
+        step, manager, cache, tokens, active, outputs, done_at = carry
+        seq_ids = live_ids(active)
+        manager, appended = memory.append_tokens(manager, seq_ids, ones, max_tokens=1)
+        seq_rows = jnp.maximum(seq_ids, 0)
+        context_lens = jnp.where(active, manager.seq_lens[seq_rows], 0)
+        metadata = AttentionMetadata(
+            slot_mapping=appended.slot_mapping[:, 0], block_tables=manager.block_tables[seq_rows],
+            context_lens=context_lens,
+            query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32), is_decode=True,
+            backend=backend, interpret=interpret)
+        cache = jax.lax.cond(jnp.any(appended.copies[:, 1] >= 0), kv_cache.copy_blocks,
+                             lambda unchanged, _: unchanged, cache, appended.copies)
+        hidden, cache = model(tokens, jnp.maximum(context_lens - 1, 0), cache, metadata)
+        sampling = dataclasses.replace(inputs.sampling,
+                                       positions=inputs.sampling.positions + step)
+        out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs)
+        is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
+        finished = active & (is_stop | (step + 1 >= inputs.remaining)
+                             | (context_lens + 1 >= max_model_len))
+        manager = jax.lax.cond(jnp.any(finished), memory.free_seqs,
+                               lambda unchanged, _: unchanged, manager,
+                               jnp.where(finished, inputs.seq_ids, -1))
+        outputs = tuple(buffer.at[step].set(value) for buffer, value in zip(
+            outputs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
+        return (step + 1, manager, cache, out.token_ids, active & ~finished, outputs,
+                jnp.where(finished, step, done_at))
+
+    outputs = (jnp.zeros((max_steps, batch), jnp.int32), jnp.zeros((max_steps, batch)),
+               jnp.zeros((max_steps, batch, top_width), jnp.int32),
+               jnp.zeros((max_steps, batch, top_width)))
+    carry = (jnp.int32(0), manager, cache, inputs.token_ids, inputs.seq_ids >= 0, outputs,
+             jnp.full(batch, -1, jnp.int32))
+    step, manager, cache, _, active, outputs, done_at = jax.lax.while_loop(cond, body, carry)
+    out_of_blocks = ((step < jnp.minimum(inputs.num_steps, max_steps)) & jnp.any(active)
+                     & ~memory.can_append(manager, live_ids(active), ones))
+    result = DecodeResult(*outputs, done_at=done_at, num_done=step, out_of_blocks=out_of_blocks)
+    return manager, cache, result
+
+
 # Module-level, so engines with the same model and shapes share compiled executables.
 # Donated: argument 1 (block-manager state) and 2 (KV cache) are updated in place.
 _step = jax.jit(_step_impl, static_argnames=("graphdef", "is_decode", "num_logprobs", "backend",
                                              "interpret"), donate_argnums=(1, 2))
+_decode_loop = jax.jit(_decode_loop_impl, static_argnames=(
+    "graphdef", "max_steps", "max_model_len", "num_logprobs", "backend", "interpret"),
+    donate_argnums=(1, 2))
 _free = jax.jit(memory.free_seqs, donate_argnums=0)
 _fork = jax.jit(memory.fork_seqs, donate_argnums=0)

@@ -95,6 +95,27 @@ class Scheduler:
         """Return finished sequences' blocks now (the caller has set their finish_reason)."""
         self._release(sequences)
 
+    def release_slots(self, sequences: list[Sequence]):
+        """Sequences whose blocks the device already freed (inside a decode loop): slots only."""
+        for seq in sequences:
+            if seq.slot >= 0:
+                self.free_slots.append(seq.slot)
+            seq.slot, seq.num_computed = -1, 0
+
+    def replay_decode_loop(self, rows: list[ScheduledRow], done_at: list[int], num_done: int):
+        """Repeat on the mirror what a device decode loop did: iteration i appends one token to
+        every row still live, then frees the rows that finished at i. Iteration 0's append was
+        planned by `schedule`. The device did these frees itself: nothing is queued."""
+        slots = [row.seq.slot for row in rows]
+        for step in range(num_done):
+            if step > 0:
+                ok, _, _ = self.mirror.append([(slot, 1) for slot, done in zip(slots, done_at)
+                                               if done < 0 or done >= step])
+                assert ok, "device decode loop appended what the mirror cannot"
+            retired = [slot for slot, done in zip(slots, done_at) if done == step]
+            if retired:
+                self.mirror.free(retired)
+
     def fork(self, request: Request, children: list[Sequence]):
         """Children share all of sequence 0's blocks; their slots were reserved at admission."""
         parent = request.sequences[0]

@@ -1,0 +1,157 @@
+"""Multi-step decode: K decode iterations in one device loop that allocates and frees on the
+device block manager, against K = 1, other batch mixes, and the host mirror."""
+
+import jax
+import numpy as np
+import pytest
+
+from jpaged import LLM, LLMEngine, SamplingParams
+from tests.test_engine import prompts_of, run_to_completion
+
+
+def engine(path, k, **options):
+    defaults = dict(num_kv_blocks=96, max_model_len=128, max_num_seqs=8,
+                    max_num_batched_tokens=64, num_scheduler_steps=k)
+    return LLMEngine.from_pretrained(path, **(defaults | options))
+
+
+def assert_mirror_matches_device(engine):
+    state = jax.device_get(engine.runner.manager)
+    mirror = engine.mirror
+    assert int(state.num_free) == mirror.num_free
+    assert list(state.free_stack[:mirror.num_free]) == mirror.free_stack
+    np.testing.assert_array_equal(state.refcounts, mirror.refcounts)
+    np.testing.assert_array_equal(state.seq_lens, mirror.seq_lens)
+    for slot in range(state.block_tables.shape[0]):
+        assert list(state.block_tables[slot]) == mirror.padded_table(slot)
+
+
+def requests(seed=0):
+    """Greedy and seeded requests of mixed lengths; outputs cross block boundaries in-loop."""
+    prompts = prompts_of([5, 30, 17, 12, 3], seed=seed)
+    params = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=12, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=20, seed=13, max_tokens=21,
+                             ignore_eos=True)]
+    return prompts, params
+
+
+def generate(path, k, order=None, **options):
+    prompts, params = requests()
+    order = list(range(len(prompts))) if order is None else order
+    llm = LLM(path, num_kv_blocks=96, max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=64, num_scheduler_steps=k, **options)
+    outputs = llm.generate(prompt_token_ids=[prompts[i] for i in order],
+                           sampling_params=[params[i] for i in order], use_tqdm=False)
+    by_request = {i: out.outputs[0].token_ids for i, out in zip(order, outputs)}
+    assert_mirror_matches_device(llm.engine)
+    assert llm.stats()["num_free_blocks"] == 95
+    return [by_request[i] for i in range(len(prompts))], llm
+
+
+def test_outputs_identical_for_k_1_4_16_and_batch_mixes(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    baseline, _ = generate(path, 1)
+    for k in (4, 16):
+        assert generate(path, k)[0] == baseline, k
+    assert generate(path, 4, order=[3, 1, 4, 0, 2])[0] == baseline
+    # A different mix: one request alone gives the same tokens as in the batch.
+    prompts, params = requests()
+    alone = LLM(path, num_kv_blocks=96, max_model_len=128, max_num_seqs=8,
+                num_scheduler_steps=16).generate(prompt_token_ids=[prompts[1]],
+                                                 sampling_params=params[1], use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == baseline[1]
+
+
+def test_device_state_after_loops_equals_single_steps(hf_checkpoints):
+    """Mid-run, after loops that crossed block boundaries and retired sequences on the device,
+    the device manager equals the host mirror, which replays them one iteration at a time."""
+    eng = engine(hf_checkpoints["llama_gqa"], 8)
+    prompts, params = requests(seed=1)
+    for index, (prompt, param) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{index}", prompt_token_ids=prompt, params=param)
+    steps_with_loops = 0
+    while eng.has_unfinished():
+        before = sum(len(r.live_sequences) for r in eng.scheduler.running)
+        eng.step()
+        assert_mirror_matches_device(eng)
+        steps_with_loops += before > 0
+    assert eng.num_steps < sum(p.max_tokens for p in params) // 4  # loops really ran K steps
+
+
+def test_pool_running_dry_mid_loop_stops_cleanly_and_preempts(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    prompts = prompts_of([20, 18, 25, 9], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = LLM(path, num_kv_blocks=96, max_model_len=128, max_num_seqs=8).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    small = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8,
+                num_scheduler_steps=16)
+    got = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert small.stats()["num_preemptions"] > 0
+    assert small.stats()["num_loops_out_of_blocks"] > 0  # a loop ran dry, then the host preempted
+    assert_mirror_matches_device(small.engine)
+
+
+def test_stops_inside_the_loop(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    prompt = prompts_of([8], seed=7)[0]
+    free_run = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=4).generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    stop_token = free_run.token_ids[9]
+    llm = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=4, num_scheduler_steps=16)
+    outs = llm.generate(prompt_token_ids=[prompt, prompt], sampling_params=[
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                       stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)], use_tqdm=False)
+    first = free_run.token_ids.index(stop_token)
+    assert outs[0].outputs[0].token_ids == free_run.token_ids[:first + 1]
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].token_ids == free_run.token_ids[:13]
+    assert outs[1].outputs[0].finish_reason == "length"
+    text = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=4).generate(
+        ["The quick"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    stop = text[3:5]
+    out = llm.generate(["The quick"], SamplingParams(temperature=0, max_tokens=20,
+                                                     ignore_eos=True, stop=stop),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
+    assert llm.stats()["num_free_blocks"] == 63
+    assert_mirror_matches_device(llm.engine)
+
+
+def test_parallel_samples_fork_then_loop(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    prompt = prompts_of([21], seed=3)[0]
+    one = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=8).generate(
+        prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    multi = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=8,
+                num_scheduler_steps=8)
+    many = multi.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    assert [c.token_ids for c in many.outputs] == [c.token_ids for c in one.outputs]
+    assert_mirror_matches_device(multi.engine)
+
+
+def test_waiting_requests_get_single_steps(hf_checkpoints):
+    """While a request waits, decode loops run one iteration so it joins at the next step."""
+    eng = engine(hf_checkpoints["llama_gqa"], 16, max_num_seqs=1)
+    prompts = prompts_of([6, 6], seed=4)
+    for index, prompt in enumerate(prompts):
+        eng.add_request(f"r{index}", prompt_token_ids=prompt, params=SamplingParams(
+            temperature=0, max_tokens=10, ignore_eos=True))
+    eng.step()  # r0's prompt; r1 waits (one sequence slot)
+    outputs = eng.step()
+    assert len(outputs[0].outputs[0].token_ids) == 2  # one iteration only
+    run_to_completion(eng)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_num_scheduler_steps_validated(hf_checkpoints, bad):
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        engine(hf_checkpoints["llama_gqa"], bad)
