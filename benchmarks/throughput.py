@@ -50,7 +50,8 @@ def build_engine(args):
     engine = LLMEngine.from_model(
         model, None, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        attention_backend=args.attention_backend, gpu_memory_utilization=0.9)
+        attention_backend=args.attention_backend, gpu_memory_utilization=0.9,
+        num_scheduler_steps=args.num_scheduler_steps, warmup=args.warmup)
     return engine, config
 
 
@@ -75,7 +76,7 @@ def run_trace(engine, trace):
     return time.perf_counter() - start, max_running
 
 
-def report(args, engine, config, trace, wall, max_running, bandwidth) -> str:
+def report(args, engine, config, trace, wall, max_running, bandwidth, compile_before) -> str:
     stats = engine.stats()
     log = engine.step_log
     output_tokens = sum(r.output_len for r in trace)
@@ -84,14 +85,15 @@ def report(args, engine, config, trace, wall, max_running, bandwidth) -> str:
     decode = [r for r in log if r.is_decode and not r.compiled]
     floors = [(weight_bytes + r.context_tokens * kv_per_token) / bandwidth for r in decode]
     decode_time = sum(r.device_seconds for r in decode)
-    compile_s = stats["compile_seconds"]
+    compile_s = stats["compile_seconds"] - compile_before
     device = jax.devices()[0]
     lines = [
         f"device: {device.device_kind}, date {datetime.date.today()}, jax {jax.__version__}, "
         f"python {platform.python_version()}",
         f"command: python benchmarks/throughput.py --model {args.model} --num-requests "
         f"{args.num_requests} --max-num-seqs {args.max_num_seqs} --max-num-batched-tokens "
-        f"{args.max_num_batched_tokens} --attention-backend {args.attention_backend}",
+        f"{args.max_num_batched_tokens} --attention-backend {args.attention_backend} "
+        f"--num-scheduler-steps {args.num_scheduler_steps}{' --warmup' * args.warmup}",
         f"model {args.model} ({config.num_parameters() / 1e9:.2f} B params, random "
         f"{args.dtype} weights, {weight_bytes / 1e9:.2f} GB), KV pool {stats['num_kv_blocks']} "
         f"blocks of {engine.config.block_size}, attention {stats['attention_backend']}",
@@ -102,6 +104,7 @@ def report(args, engine, config, trace, wall, max_running, bandwidth) -> str:
         "",
         "| metric | value |", "|---|---:|",
         f"| wall time (s) | {wall:.1f} |",
+        f"| warm-up before the run (s) | {stats['warmup_seconds']:.1f} |",
         f"| compile time inside the run (s) | {compile_s:.1f} |",
         f"| output tokens/s | {output_tokens / wall:.0f} |",
         f"| output tokens/s excluding compile | {output_tokens / max(wall - compile_s, 1e-9):.0f} |",
@@ -140,13 +143,17 @@ def main(argv=None):
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1)
+    parser.add_argument("--warmup", action="store_true",
+                        help="compile every shape before the timed run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 256 << 20)
     engine, config = build_engine(args)
     trace = make_trace(args.num_requests, **SHAREGPT, seed=0)
+    compile_before = engine.runner.compile_seconds
     wall, max_running = run_trace(engine, trace)
-    text = report(args, engine, config, trace, wall, max_running, bandwidth)
+    text = report(args, engine, config, trace, wall, max_running, bandwidth, compile_before)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -23,13 +23,23 @@ from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow, request_s
 from jpaged.scheduler import Scheduler
 
 
+def enable_compilation_cache(directory: str):
+    """Persist compiled executables under `directory`, so a second start skips compiling.
+    This is a process-wide JAX setting (every engine in the process shares the cache)."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 class StepRecord(NamedTuple):
-    """One step, for benchmarks: device_seconds spans input transfer, the compiled step and the
-    output transfer; host_seconds is scheduling and output processing."""
+    """One step, for benchmarks: device_seconds spans input transfer, the compiled step (or
+    decode loop) and the output transfer; host_seconds is everything else (scheduling, building
+    inputs, output processing)."""
     is_decode: bool
     num_seqs: int
     num_tokens: int
     context_tokens: int      # tokens attended over, summed over the batch's sequences
+    num_generated: int       # tokens sampled this step (K per row for a K-iteration loop)
     device_seconds: float
     host_seconds: float
     compiled: bool           # this step compiled a new shape (its times include the compile)
@@ -42,6 +52,8 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.config = config
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
         self.mirror = HostBlockMirror(config.num_kv_blocks, config.block_size, config.max_num_seqs,
                                       -(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(self.mirror, max_num_seqs=config.max_num_seqs,
@@ -51,6 +63,16 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, kv_dtype=config.kv_dtype,
             attention_backend=config.attention_backend, interpret=config.interpret)
+        # The decode loop's output buffers are sized once (a static shape); each step may run
+        # fewer iterations, so benchmarks can vary num_scheduler_steps without recompiling.
+        self.loop_capacity = config.num_scheduler_steps
+        self.warmup_seconds = 0.0
+        if config.warmup:
+            start = time.perf_counter()
+            self.runner.warmup(max_steps=config.num_scheduler_steps,
+                               max_model_len=config.max_model_len)
+            self.warmup_seconds = time.perf_counter() - start
+        self.runner.strict_compilation = config.strict_compilation
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = itertools.count()
@@ -161,12 +183,11 @@ class LLMEngine:
         self._flush_block_ops()
         if not schedule.rows:
             return []
-        device_start = time.perf_counter()
         if self._is_pure_decode(schedule):
             results, device_freed = self._run_decode_loop(schedule)
         else:
             results, device_freed = self._run_step(schedule), []
-        device_seconds = time.perf_counter() - device_start
+        device_seconds = self.runner.last_device_seconds
         outputs = self._process(results, device_freed)
         self._flush_block_ops()  # finished sequences' blocks return now, not at the next step
         total_seconds = time.perf_counter() - start
@@ -176,7 +197,8 @@ class LLMEngine:
         if self.step_log is not None:
             self.step_log.append(StepRecord(
                 schedule.is_decode, len(schedule.rows), schedule.num_tokens,
-                sum(row.start + row.num_tokens for row in schedule.rows), device_seconds,
+                sum(row.start + row.num_tokens for row in schedule.rows),
+                sum(len(samples) for _, _, samples in results), device_seconds,
                 total_seconds - device_seconds, self.runner.last_step_compiled))
         return outputs
 
@@ -213,7 +235,7 @@ class LLMEngine:
                          row.start + 1) for row in rows],
             [row.request.params.max_tokens - len(row.seq.output_token_ids) for row in rows],
             [self._stop_ids(row.request.params) for row in rows],
-            num_steps, self.config.num_scheduler_steps, self.config.max_model_len,
+            min(num_steps, self.loop_capacity), self.loop_capacity, self.config.max_model_len,
             max(row.request.params.logprobs or 0 for row in rows))
         done_at = [int(d) for d in result.done_at]
         num_done = int(result.num_done)
@@ -325,6 +347,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_compilations": runner.num_compilations,
             "compile_seconds": runner.compile_seconds,
+            "warmup_seconds": self.warmup_seconds,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_loops_out_of_blocks": self.num_loops_out_of_blocks,
             "num_generated_tokens": self.num_generated_tokens,

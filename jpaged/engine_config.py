@@ -28,6 +28,9 @@ class EngineConfig:
     attention_backend: str = "reference"
     interpret: bool = False
     num_scheduler_steps: int = 1
+    warmup: bool = False               # compile every bucket shape at start-up
+    strict_compilation: bool = False   # after warm-up, a new shape is an error
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self):
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len",
@@ -38,6 +41,8 @@ class EngineConfig:
         if self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be at least 2 (one is the sink), "
                              f"got {self.num_kv_blocks}")
+        if self.strict_compilation and not self.warmup:
+            raise ValueError("strict_compilation=True needs warmup=True (nothing is compiled yet)")
         if self.attention_backend not in ATTENTION_BACKENDS[1:]:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -72,8 +77,14 @@ def resolve_engine_config(model=None, *, dtype="auto", **options):
 def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9,
                         max_num_seqs=256, max_model_len=None, max_num_batched_tokens=None, seed=0,
                         attention_backend="auto", kv_cache_dtype="auto",
-                        num_scheduler_steps=1) -> EngineConfig:
-    """Engine settings for a model already in memory (its weights count against the budget)."""
+                        num_scheduler_steps=1, warmup=None, strict_compilation=False,
+                        compilation_cache_dir=None) -> EngineConfig:
+    """Engine settings for a model already in memory (its weights count against the budget).
+
+    warmup None means: compile all shapes at start-up on an accelerator, lazily on the CPU.
+    """
+    if warmup is None:
+        warmup = jax.default_backend() != "cpu"
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                          f"{gpu_memory_utilization}")
@@ -98,7 +109,9 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                         kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret,
-                        num_scheduler_steps=num_scheduler_steps)
+                        num_scheduler_steps=num_scheduler_steps, warmup=warmup,
+                        strict_compilation=strict_compilation,
+                        compilation_cache_dir=compilation_cache_dir)
 
 
 def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:

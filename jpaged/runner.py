@@ -112,6 +112,8 @@ class ModelRunner:
         self.num_padded_tokens = 0
         self.num_real_tokens = 0
         self.last_step_compiled = False
+        self.strict_compilation = False   # set after warm-up to make any new shape an error
+        self.last_device_seconds = 0.0    # last step: inputs to device, compiled call, results back
 
     # ---- block-manager operations queued by the scheduler ----------------------------------
     def apply_ops(self, ops):
@@ -129,6 +131,9 @@ class ModelRunner:
 
     def _timed(self, key, fn, *args, **kwargs):
         is_new = key not in self.compiled_shapes
+        if is_new and self.strict_compilation:
+            raise RuntimeError(f"shape {key} was not compiled at warm-up and strict compilation "
+                               "is on")
         if key[0] in ("step", "decode"):
             self.last_step_compiled = is_new
         start = time.perf_counter()
@@ -152,12 +157,14 @@ class ModelRunner:
         logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
         key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
                inputs.logits_indices.shape[0], is_decode, logprob_bucket)
+        start = time.perf_counter()
         device_inputs = jax.device_put(inputs)
         self.manager, self.cache, out, ok = self._timed(
             key, _step, self.params, self.manager, self.cache, device_inputs,
             graphdef=self.graphdef, is_decode=is_decode, num_logprobs=logprob_bucket,
             backend=self.attention_backend, interpret=self.interpret)
         out, ok = jax.device_get((out, ok))
+        self.last_device_seconds = time.perf_counter() - start
         if not ok:
             raise RuntimeError("device block manager ran out of blocks the host mirror predicted; "
                                "the two have diverged")
@@ -173,7 +180,7 @@ class ModelRunner:
         stop_ids: [[int]] per row. Returns the DecodeResult on the host, cut to the real rows.
         """
         batch = bucket(len(rows), 4, self.max_num_seqs)
-        width = bucket(max((len(ids) for ids in stop_ids), default=1), 4, 1 << 16)
+        width = bucket(max((len(ids) for ids in stop_ids), default=1), 16, 1 << 16)
         token_ids = np.zeros(batch, np.int32)
         seq_ids = np.full(batch, -1, np.int32)
         remaining_arr = np.zeros(batch, np.int32)
@@ -188,17 +195,53 @@ class ModelRunner:
         self.num_real_tokens += len(rows) * num_steps
         logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
         key = ("decode", batch, width, max_steps, logprob_bucket)
+        start = time.perf_counter()
         self.manager, self.cache, result = self._timed(
             key, _decode_loop, self.params, self.manager, self.cache, jax.device_put(inputs),
             graphdef=self.graphdef, max_steps=max_steps, max_model_len=max_model_len,
             num_logprobs=logprob_bucket, backend=self.attention_backend,
             interpret=self.interpret)
         result = jax.device_get(result)
+        self.last_device_seconds = time.perf_counter() - start
         count = len(rows)
         return dataclasses.replace(
             result, token_ids=result.token_ids[:, :count], logprobs=result.logprobs[:, :count],
             top_ids=result.top_ids[:, :count], top_logprobs=result.top_logprobs[:, :count],
             done_at=result.done_at[:count])
+
+    def bucket_sizes(self, floor: int, cap: int) -> list[int]:
+        """Every bucket `bucket(n, floor, cap)` can return, smallest first."""
+        return sorted({bucket(n, floor, cap) for n in range(1, cap + 1)})
+
+    def warmup(self, *, max_steps: int, max_model_len: int, progress: bool = True):
+        """Compile every bucket shape now, with all-padding inputs that change no state.
+
+        Decode loops for each batch bucket, mixed steps for each token bucket (each with and
+        without top logprobs), and the block-manager free/fork sizes.
+        """
+        from jpaged.sampling import SamplingParams, SamplingRow
+        from tqdm.auto import tqdm
+
+        jobs = []
+        for logprobs in (0, 1):
+            for batch in self.bucket_sizes(4, self.max_num_seqs):
+                jobs.append(("decode", batch, logprobs))
+            for tokens in self.bucket_sizes(min(128, self.max_num_batched_tokens),
+                                            self.max_num_batched_tokens):
+                jobs.append(("step", tokens, logprobs))
+        for kind in ("free", "fork"):
+            jobs += [(kind, size, 0) for size in self.bucket_sizes(4, max(4, self.max_num_seqs))]
+        pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
+        for kind, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
+            if kind == "decode":
+                self.execute_decode([(-1, 0)] * size, [pad_row] * size, [0] * size,
+                                    [[]] * size, 1, max_steps, max_model_len, logprobs)
+            elif kind == "step":
+                # One padded row per token bucket: seq -1 appends nothing, writes are dropped.
+                self.execute([(-1, [0] * size)], [(0, pad_row)], logprobs)
+            else:  # padded ids: frees and forks of nothing
+                self.apply_ops([(kind, [-1] * size if kind == "free" else [(-1, -1)] * size)])
+        self.num_padded_tokens = self.num_real_tokens = 0
 
     def _build_inputs(self, rows, sampling_rows):
         num_tokens = sum(len(tokens) for _, tokens in rows)

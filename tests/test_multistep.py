@@ -155,3 +155,40 @@ def test_waiting_requests_get_single_steps(hf_checkpoints):
 def test_num_scheduler_steps_validated(hf_checkpoints, bad):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         engine(hf_checkpoints["llama_gqa"], bad)
+
+
+def test_no_compilation_after_warmup_over_300_mixed_requests(hf_checkpoints, tmp_path):
+    """Strict mode: warm-up compiles every bucket; a 300-request mixed run (prefills, chunks,
+    decode loops, n > 1 forks, logprobs, stops, frees) then compiles nothing."""
+    eng = LLMEngine.from_pretrained(
+        hf_checkpoints["llama_gqa"], num_kv_blocks=128, max_model_len=128, max_num_seqs=16,
+        max_num_batched_tokens=64, num_scheduler_steps=4, warmup=True, strict_compilation=True,
+        compilation_cache_dir=str(tmp_path / "xla_cache"))
+    compiled = eng.stats()["num_compilations"]
+    assert compiled > 0 and eng.stats()["warmup_seconds"] > 0
+    rng = np.random.default_rng(8)
+    for index in range(300):
+        eng.add_request(f"r{index}", prompt_token_ids=rng.integers(2, 320, int(
+            rng.integers(1, 70))).tolist(), params=SamplingParams(
+            n=int(rng.choice([1, 1, 1, 2])), temperature=float(rng.choice([0.0, 0.8])),
+            seed=index, max_tokens=int(rng.integers(1, 12)),
+            logprobs=int(rng.choice([0, 0, 2])) or None, ignore_eos=bool(rng.integers(2))))
+    outputs = run_to_completion(eng)
+    assert len(outputs) == 300
+    assert eng.stats()["num_compilations"] == compiled
+    assert eng.stats()["num_free_blocks"] == 127
+    assert any((tmp_path / "xla_cache").iterdir())  # the persistent cache was written
+    jax.config.update("jax_compilation_cache_dir", None)
+
+
+def test_strict_compilation_refuses_a_new_shape(hf_checkpoints):
+    eng = LLMEngine.from_pretrained(hf_checkpoints["llama_gqa"], num_kv_blocks=32,
+                                    max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                                    warmup=False)
+    eng.runner.strict_compilation = True
+    eng.add_request("r", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="strict"):
+        eng.step()
+    with pytest.raises(ValueError, match="warmup"):
+        LLMEngine.from_pretrained(hf_checkpoints["llama_gqa"], num_kv_blocks=32,
+                                  max_model_len=64, strict_compilation=True, warmup=False)
