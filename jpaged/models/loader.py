@@ -1,8 +1,14 @@
-"""Load a Hugging Face model directory (config.json, safetensors shards, tokenizer) without torch.
+"""Load a model directory without torch: config.json, tokenizer.json and the weights, either
+Hugging Face safetensors (one file or shards plus an index) or an orbax-checkpoint folder
+`checkpoint/` whose tree is the Hugging Face names split at the dots (`tools/train_tiny.py` writes
+one; the built-in default model is one).
 
 Parameters are built straight from the tensors: the model is traced abstractly
 (`nnx.eval_shape`, no memory), then every variable is filled from its checkpoint tensor, one
 tensor at a time, so host memory peaks at about one tensor rather than a second copy of the model.
+Every tensor's name and shape is checked against the config before any is read. (An orbax
+folder is restored in one call, so it peaks at a host copy of the model: fine for the small
+models saved that way.)
 """
 
 import dataclasses
@@ -21,6 +27,7 @@ from jpaged.models.llama import LlamaForCausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+ORBAX_DIR = "checkpoint"
 # Checkpoint tensors that are safe to skip: rotary tables, which are recomputed from the config.
 # (A tied model's saved `lm_head.weight`, a copy of the embedding, is skipped too.)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -41,9 +48,13 @@ def load_model(model_dir, *, dtype="auto") -> tuple[LlamaForCausalLM, ModelConfi
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     wanted = {_param_name(path): (path, var) for path, var in nnx.to_flat_state(abstract_state)}
-    tensor_files = _tensor_files(model_dir)
-    _check_names(wanted, tensor_files, config, model_dir)
-    return nnx.merge(graphdef, _read_state(wanted, tensor_files)), config
+    if _is_orbax(model_dir):
+        state = _read_orbax_state(wanted, model_dir / ORBAX_DIR, config)
+    else:
+        tensor_files = _tensor_files(model_dir)
+        _check_names(wanted, tensor_files, config, model_dir)
+        state = _read_state(wanted, tensor_files)
+    return nnx.merge(graphdef, state), config
 
 
 def load_tokenizer(model_dir):
@@ -89,8 +100,8 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
         return {name: model_dir / shard for name, shard in weight_map.items()}
     single = model_dir / SINGLE_FILE
     if not single.is_file():
-        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} "
-                                "(only safetensors checkpoints are supported)")
+        raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or orbax {ORBAX_DIR}/ folder "
+                                f"in {model_dir}")
     with _open(single) as reader:
         return {name: single for name in reader.keys()}
 
@@ -151,3 +162,51 @@ def _read_tensor(reader, name: str, file: Path, expected: jax.ShapeDtypeStruct) 
     if not jnp.issubdtype(array.dtype, jnp.floating):
         raise ValueError(f"{file}: tensor {name} has dtype {array.dtype}, expected floating point")
     return array.astype(expected.dtype, copy=False)
+
+
+# ---- orbax-checkpoint folders ------------------------------------------------------------------
+def _is_orbax(model_dir: Path) -> bool:
+    """An orbax folder and no safetensors: safetensors win when both are present."""
+    return ((model_dir / ORBAX_DIR).is_dir() and not (model_dir / SINGLE_FILE).is_file()
+            and not (model_dir / INDEX_FILE).is_file())
+
+
+def _read_orbax_state(wanted: dict, folder: Path, config: ModelConfig):
+    """The filled nnx state from an orbax checkpoint; names and shapes checked from its metadata
+    before any tensor is read."""
+    import orbax.checkpoint as ocp  # imported here: it is slow to import and most models are HF
+
+    folder = folder.resolve()  # orbax finds no metadata under a relative path
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        metadata = checkpointer.metadata(folder)
+    except Exception as err:  # orbax raises several types (FileNotFoundError, ValueError, ...)
+        raise ValueError(f"{folder}: not a readable orbax checkpoint ({err})") from err
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    if not tree:
+        raise ValueError(f"{folder}: not a readable orbax checkpoint (no tensor metadata)")
+    shapes = {".".join(str(k.key) for k in path): tuple(leaf.shape)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    _check_names(wanted, shapes, config, folder)
+    for name, (_, var) in sorted(wanted.items()):
+        expected = tuple(var.get_value().shape)
+        if shapes[name] != expected:
+            raise ValueError(f"{folder}: tensor {name} has shape {shapes[name]}, the config "
+                             f"implies {expected}")
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    try:
+        restored = checkpointer.restore(folder, restore_args=restore_args)
+    except Exception as err:
+        raise ValueError(f"{folder}: cannot read the orbax checkpoint ({err})") from err
+    arrays = {".".join(str(k.key) for k in path): leaf
+              for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    loaded = []
+    for name, (path, var) in sorted(wanted.items()):
+        array = np.asarray(arrays[name])
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            raise ValueError(f"{folder}: tensor {name} has dtype {array.dtype}, expected "
+                             "floating point")
+        array = array.astype(var.get_value().dtype, copy=False)
+        loaded.append((path, var.replace(jax.device_put(array))))
+    return nnx.from_flat_state(loaded)
