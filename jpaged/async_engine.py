@@ -1,0 +1,300 @@
+"""AsyncEngine: drives one LLMEngine on its own thread for asyncio callers (the HTTP server).
+
+The engine is not thread-safe, so only the engine thread touches it. Callers send commands
+(add, abort) through a queue and get each request's outputs on an asyncio queue of their own
+(`OutputSink`). The thread steps while work exists and blocks on the command queue when idle, so
+an idle server uses no CPU. New requests join the running batch at the next step.
+
+Per-request events reach the sink as:
+  ("accepted", request_id, None)       the engine queued it
+  ("error", request_id, ValueError)    rejected by add_request (nothing was queued), or failed
+                                       by an engine error (its blocks were freed)
+  ("output", request_id, RequestOutput) progress; the last one has finished=True
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jpaged.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while this request was in flight."""
+
+
+class OutputSink:
+    """Where one HTTP handler receives the events of its request(s), on its own event loop."""
+
+    def __init__(self):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event: tuple):  # called from the engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def get(self) -> tuple:
+        return await self._queue.get()
+
+
+class RequestGroup:
+    """The engine requests of one API call (one per prompt), read from one sink.
+
+    Create it inside the caller's event loop; it queues its requests at once. Call
+    `abort_unfinished` when the caller goes away (it is a no-op once everything finished).
+    """
+
+    def __init__(self, async_engine: "AsyncEngine", request_ids: list[str], params,
+                 prompts: list[list[int]]):
+        self._engine = async_engine
+        self._sink = OutputSink()
+        self.request_ids = list(request_ids)
+        self._index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        self.outputs: list = [None] * len(self.request_ids)  # latest RequestOutput per prompt
+        self._unfinished = set(self.request_ids)
+        self._early: list[tuple] = []  # outputs that came before every request was accepted
+        for request_id, prompt in zip(self.request_ids, prompts):
+            async_engine.add(self._sink, request_id, params, prompt_token_ids=prompt)
+
+    async def accepted(self):
+        """Wait until the engine queued every request; a rejection aborts the others and raises
+        its ValueError."""
+        waiting = set(self.request_ids)
+        while waiting:
+            kind, request_id, payload = await self._sink.get()
+            if kind == "error":
+                self._unfinished.discard(request_id)
+                self.abort_unfinished()
+                raise payload
+            if kind == "accepted":
+                waiting.discard(request_id)
+            else:
+                self._early.append((kind, request_id, payload))
+
+    async def events(self):
+        """Yield (prompt index, RequestOutput) until every request finished; an engine failure
+        raises EngineError."""
+        while self._unfinished:
+            kind, request_id, payload = (self._early.pop(0) if self._early
+                                         else await self._sink.get())
+            if kind == "error":
+                self._unfinished.discard(request_id)
+                self.abort_unfinished()
+                raise payload if isinstance(payload, EngineError) else EngineError(str(payload))
+            index = self._index[request_id]
+            self.outputs[index] = payload
+            if payload.finished:
+                self._unfinished.discard(request_id)
+            yield index, payload
+
+    async def final_outputs(self) -> list:
+        async for _ in self.events():
+            pass
+        return self.outputs
+
+    def abort_unfinished(self):
+        for request_id in sorted(self._unfinished):
+            self._engine.abort(request_id)
+        self._unfinished.clear()
+
+
+class _Tracked:
+    """Timing of one in-flight request, for the TTFT / TPOT / end-to-end histograms."""
+    __slots__ = ("sink", "arrival", "last_output")
+
+    def __init__(self, sink: OutputSink, arrival: float):
+        self.sink, self.arrival, self.last_output = sink, arrival, None
+
+
+class AsyncEngine:
+    """Owns the engine thread. `add` / `abort` may be called from any thread or event loop."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = ServingMetrics(self)
+        self._commands: queue.Queue = queue.Queue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._num_prompt_tokens = 0   # of accepted requests
+        self._num_finished = 0        # requests that ran to the end (not aborted or failed)
+        self.snapshot = self._stats()  # replaced (never mutated) by the engine thread
+        self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
+
+    # ---- caller side --------------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0):
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def add(self, sink: OutputSink, request_id: str, params, *, prompt_token_ids: list[int]):
+        """Queue a request; its events go to `sink` (see the module docstring)."""
+        self._commands.put(("add", sink, request_id, params, list(prompt_token_ids),
+                            time.monotonic()))
+
+    def abort(self, request_id: str):
+        """Stop a request; its blocks return to the pool as soon as the engine thread reads this
+        (between two steps)."""
+        self._commands.put(("abort", request_id))
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self):
+        while True:
+            block = not self.engine.has_unfinished()  # idle: sleep until a command comes
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command[0] == "stop":
+                    self._fail_all(EngineError("the server is shutting down"))
+                    return
+                self._apply(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self.engine.has_unfinished():
+                self._step()
+            self.snapshot = self._stats()
+
+    def _apply(self, command: tuple):
+        if command[0] == "abort":
+            self._tracked.pop(command[1], None)
+            self.engine.abort(command[1])
+            return
+        _, sink, request_id, params, prompt_token_ids, arrival = command
+        try:
+            self.engine.add_request(request_id, params=params, prompt_token_ids=prompt_token_ids)
+        except ValueError as err:
+            sink.put(("error", request_id, err))
+            return
+        self._tracked[request_id] = _Tracked(sink, arrival)
+        self._num_prompt_tokens += len(prompt_token_ids)
+        sink.put(("accepted", request_id, None))
+
+    def _step(self):
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # one failed step must not take the server down
+            logger.exception("engine step failed; failing the requests in flight")
+            self._fail_all(EngineError(f"engine error: {err}"))
+            return
+        now = time.monotonic()
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:  # aborted after this step was scheduled
+                continue
+            self.metrics.observe_progress(tracked, output, now)
+            tracked.last_output = now
+            tracked.sink.put(("output", output.request_id, output))
+            if output.finished:
+                del self._tracked[output.request_id]
+                self._num_finished += 1
+
+    def _fail_all(self, err: Exception):
+        for request_id, tracked in list(self._tracked.items()):
+            self.engine.abort(request_id)
+            tracked.sink.put(("error", request_id, err))
+        self._tracked.clear()
+
+    def _stats(self) -> dict:
+        stats = self.engine.stats()
+        stats["num_used_blocks"] = stats["num_kv_blocks"] - 1 - stats["num_free_blocks"]
+        stats["num_prompt_tokens"] = self._num_prompt_tokens
+        stats["num_finished_requests"] = self._num_finished
+        return stats
+
+
+class ServingMetrics:
+    """Prometheus metrics, vLLM's names where vLLM has one (`vllm:`), else `jpaged:`.
+
+    Gauges and counters are read from the engine thread's latest stats snapshot at scrape time;
+    the latency histograms are observed by the engine thread as outputs arrive. Swapping and
+    prefix caching are not implemented yet: their metrics are reported as 0.
+    """
+
+    def __init__(self, async_engine: AsyncEngine):
+        self._async_engine = async_engine
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Time per output token (between two outputs of a request)",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_SnapshotCollector(async_engine))
+
+    def observe_progress(self, tracked: _Tracked, output, now: float):
+        name = self._async_engine.model_name
+        if tracked.last_output is None:
+            self.ttft.labels(name).observe(now - tracked.arrival)
+        else:  # one step adds one token to each live sequence
+            self.tpot.labels(name).observe(now - tracked.last_output)
+        if output.finished:
+            self.e2e.labels(name).observe(now - tracked.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    """Gauges and counters from the engine thread's last stats snapshot."""
+
+    def __init__(self, async_engine: AsyncEngine):
+        self._async_engine = async_engine
+
+    def collect(self):
+        stats, name = self._async_engine.snapshot, self._async_engine.model_name
+        usable = stats["num_kv_blocks"] - 1
+        gauges = [
+            ("vllm:num_requests_running", "Requests in the running batch", stats["num_running"]),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled",
+             stats["num_waiting"]),
+            ("vllm:num_requests_swapped", "Requests swapped to the host (swap not implemented)",
+             0),
+            ("vllm:gpu_cache_usage_perc", "Fraction of KV blocks in use (1 = full)",
+             stats["num_used_blocks"] / usable if usable else 0.0),
+            ("vllm:gpu_prefix_cache_hit_rate", "Prefix-cache hit rate (prefix caching not "
+             "implemented)", 0.0),
+            ("jpaged:num_kv_blocks_used", "KV blocks held by requests", stats["num_used_blocks"]),
+            ("jpaged:num_kv_blocks_free", "KV blocks free", stats["num_free_blocks"]),
+            ("jpaged:num_kv_blocks_total", "KV blocks in the pool (the sink block excluded)",
+             usable),
+        ]
+        for metric, doc, value in gauges:
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family
+        counters = [
+            ("vllm:num_preemptions", "Preemptions since start", stats["num_preemptions"]),
+            ("vllm:generation_tokens", "Generated tokens since start",
+             stats["num_generated_tokens"]),
+            ("vllm:prompt_tokens", "Prompt tokens of accepted requests since start",
+             stats["num_prompt_tokens"]),
+            ("vllm:request_success", "Requests that finished (stop or length)",
+             stats["num_finished_requests"]),
+        ]
+        for metric, doc, value in counters:
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family

@@ -1,0 +1,462 @@
+"""The OpenAI wire format: request validation, chat templates, and response / stream chunks.
+
+Pure functions and small classes with no web framework in them: `serve.py` calls them.
+
+Requests are checked field by field; anything wrong raises `APIError` naming the parameter, which
+the server turns into a 4xx with OpenAI's `{"error": {"message", "type", "param", "code"}}` body.
+Parameters that would change the result but are not implemented (echo, suffix, best_of > n,
+presence/frequency penalties, logit_bias) are rejected rather than ignored.
+
+Chat prompts are rendered with the model's `chat_template` from tokenizer_config.json (with
+jinja2, as transformers does) or, when the model has none, with the default template:
+
+    {role}: {content}\\n      for every message, then "assistant:" (the generation prompt)
+"""
+
+import dataclasses
+import json
+import time
+import uuid
+from pathlib import Path
+
+from jpaged.request import RequestOutput
+from jpaged.sampling import MAX_LOGPROBS, SamplingParams
+
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
+                    "stop_token_ids", "ignore_eos", "logprobs")
+# Parameters we do not implement, with the value that means "off" (anything else is rejected).
+_UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0, 0.0),
+                "frequency_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
+                "response_format": ({"type": "text"},)}
+
+
+class APIError(Exception):
+    """An error reply: HTTP status plus OpenAI's error fields."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = (message, param, status,
+                                                                       type, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What request parsing needs to know about the served model."""
+    name: str
+    tokenizer: object           # tokenizers.Tokenizer or None
+    vocab_size: int
+    max_model_len: int
+    chat_template: "ChatTemplate"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: token ids per prompt plus how to sample and reply."""
+    is_chat: bool
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    num_top_logprobs: int | None     # None: no logprobs in the reply
+
+
+# ---- field checks -------------------------------------------------------------------------------
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+               list: "an array", dict: "an object"}
+
+
+def _field(body: dict, name: str, kinds: tuple, default=None, *, required: bool = False):
+    """body[name] if present and of one of `kinds` (bool is never an int here); None -> default."""
+    if name not in body or body[name] is None:
+        if required:
+            raise APIError(f"'{name}' is a required property", param=name)
+        return default
+    value = body[name]
+    if not any(_is_kind(value, kind) for kind in kinds):
+        wanted = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        raise APIError(f"'{name}' must be {wanted}, got {json.dumps(value)[:80]}", param=name)
+    return value
+
+
+def _is_kind(value, kind) -> bool:
+    if isinstance(value, bool):  # JSON true is not the integer 1
+        return kind is bool
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+def _reject_unsupported(body: dict):
+    for name, off_values in _UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in off_values:
+            raise APIError(f"'{name}' is not supported by this server", param=name,
+                           code="unsupported_parameter")
+    if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
+        raise APIError("'best_of' other than n is not supported", param="best_of",
+                       code="unsupported_parameter")
+
+
+def check_model(body: dict, model_name: str):
+    """An absent model means the served one; another name is a 404 (OpenAI's model_not_found)."""
+    name = _field(body, "model", (str,), model_name)
+    if name != model_name:
+        raise APIError(f"The model `{name}` does not exist. This server serves `{model_name}`.",
+                       param="model", status=404, code="model_not_found")
+
+
+def _sampling_params(body: dict, *, max_tokens, logprobs) -> SamplingParams:
+    values = dict(n=_field(body, "n", (int,), 1),
+                  temperature=_field(body, "temperature", (float,), 1.0),
+                  top_p=_field(body, "top_p", (float,), 1.0),
+                  top_k=_field(body, "top_k", (int,), -1),
+                  min_p=_field(body, "min_p", (float,), 0.0),
+                  seed=_field(body, "seed", (int,)),
+                  stop=_field(body, "stop", (str, list)),
+                  stop_token_ids=_field(body, "stop_token_ids", (list,)),
+                  ignore_eos=_field(body, "ignore_eos", (bool,), False),
+                  max_tokens=max_tokens, logprobs=logprobs)
+    try:
+        return SamplingParams(**values)
+    except ValueError as err:  # SamplingParams' messages start with the parameter's name
+        name = str(err).split(" ", 1)[0]
+        raise APIError(str(err), param=name if name in _SAMPLING_FIELDS else None) from err
+
+
+def _check_length(prompts: list[list[int]], max_tokens: int | None, max_model_len: int,
+                  param: str) -> int:
+    """The max_tokens to use (None: what is left of the context); too long -> APIError."""
+    longest = max(len(ids) for ids in prompts)
+    if longest >= max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens; the "
+                       f"prompt ('{param}') has {longest} tokens and at least one must be "
+                       "generated",
+                       param=param, code="context_length_exceeded")
+    if max_tokens is None:
+        return max_model_len - longest
+    if isinstance(max_tokens, int) and max_tokens >= 1 and longest + max_tokens > max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, "
+                       f"you requested {longest + max_tokens} tokens ({longest} in the prompt, "
+                       f"{max_tokens} in the completion); lower max_tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    return max_tokens
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    options = _field(body, "stream_options", (dict,), {})
+    if options and not stream:
+        raise APIError("'stream_options' is only allowed with stream true", param="stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise APIError("'stream_options.include_usage' must be a boolean",
+                       param="stream_options.include_usage")
+    return include
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
+    check_model(body, model.name)
+    _reject_unsupported(body)
+    prompts = _completion_prompts(body, model)
+    logprobs = _field(body, "logprobs", (int,))
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}",
+                       param="logprobs")
+    max_tokens = _check_length(prompts, _field(body, "max_tokens", (int,), 16),
+                               model.max_model_len, "prompt")
+    stream = _field(body, "stream", (bool,), False)
+    return ParsedRequest(False, prompts, _sampling_params(body, max_tokens=max_tokens,
+                                                          logprobs=logprobs),
+                         stream, _stream_options(body, stream), logprobs)
+
+
+def _completion_prompts(body: dict, model: ModelInfo) -> list[list[int]]:
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of such lists."""
+    prompt = _field(body, "prompt", (str, list), required=True)
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) and not isinstance(p, bool)
+                                                  for p in prompt)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError("'prompt' must not be empty", param="prompt")
+    return [_prompt_ids(item, model) for item in prompt]
+
+
+def _prompt_ids(item, model: ModelInfo) -> list[int]:
+    if isinstance(item, str):
+        if model.tokenizer is None:
+            raise APIError("this model has no tokenizer: send the prompt as token ids",
+                           param="prompt")
+        ids = model.tokenizer.encode(item).ids  # as LLMEngine.add_request tokenizes
+    elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in item):
+        ids = item
+    else:
+        raise APIError("'prompt' must be a string, an array of strings, an array of token ids "
+                       "or an array of arrays of token ids", param="prompt")
+    if not ids:
+        raise APIError("'prompt' must not be empty", param="prompt")
+    bad = [t for t in ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise APIError(f"'prompt' has token ids outside [0, {model.vocab_size}): {bad[:5]}",
+                       param="prompt")
+    return list(ids)
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
+    check_model(body, model.name)
+    _reject_unsupported(body)
+    messages = _chat_messages(body)
+    if model.tokenizer is None:
+        raise APIError("this model has no tokenizer, so chat is not available", param="messages")
+    try:
+        text = model.chat_template.render(messages)
+    except Exception as err:  # a template may raise on, e.g., roles out of order
+        raise APIError(f"the chat template failed on these messages: {err}",
+                       param="messages") from err
+    prompts = [_prompt_ids(model.tokenizer.encode(text, add_special_tokens=False).ids, model)]
+    want_logprobs = _field(body, "logprobs", (bool,), False)
+    top = _field(body, "top_logprobs", (int,))
+    if top is not None and not want_logprobs:
+        raise APIError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}",
+                       param="top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    max_tokens = _field(body, "max_completion_tokens", (int,))
+    max_tokens = _field(body, "max_tokens", (int,), max_tokens)
+    max_tokens = _check_length(prompts, max_tokens, model.max_model_len, "messages")
+    stream = _field(body, "stream", (bool,), False)
+    return ParsedRequest(True, prompts, _sampling_params(body, max_tokens=max_tokens,
+                                                         logprobs=logprobs),
+                         stream, _stream_options(body, stream), logprobs)
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    messages = _field(body, "messages", (list,), required=True)
+    if not messages:
+        raise APIError("'messages' must not be empty", param="messages")
+    parsed = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise APIError(f"'{where}' must be an object", param=where)
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise APIError(f"'{where}.role' must be a non-empty string", param=f"{where}.role")
+        parsed.append({"role": role, "content": _message_text(message.get("content"), where)})
+    return parsed
+
+
+def _message_text(content, where: str) -> str:
+    """A string, or a list of {"type": "text", "text": ...} parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str)
+                                         for part in content):
+        return "".join(part["text"] for part in content)
+    raise APIError(f"'{where}.content' must be a string or an array of text parts",
+                   param=f"{where}.content")
+
+
+class ChatTemplate:
+    """The model's chat template (jinja2, from tokenizer_config.json) or the default one."""
+
+    def __init__(self, source: str | None = None, *, bos_token: str = "", eos_token: str = ""):
+        self.source = source
+        self._special = dict(bos_token=bos_token, eos_token=eos_token)
+        self._compiled = None
+        if source is not None:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError as err:
+                raise RuntimeError("this model's tokenizer_config.json has a chat_template, "
+                                   "which needs jinja2: pip install jinja2") from err
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._compiled = env.from_string(source)
+
+    @classmethod
+    def from_model_dir(cls, model_dir) -> "ChatTemplate":
+        """From `tokenizer_config.json` in model_dir; the default template if absent."""
+        path = Path(model_dir) / "tokenizer_config.json"
+        if not path.is_file():
+            return cls()
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from err
+        source = config.get("chat_template")
+        if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
+            named = {item.get("name"): item.get("template") for item in source}
+            source = named.get("default")
+        if source is not None and not isinstance(source, str):
+            raise ValueError(f"{path}: field 'chat_template' must be a string")
+        return cls(source, bos_token=_token_text(config.get("bos_token")),
+                   eos_token=_token_text(config.get("eos_token")))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._compiled is None:
+            lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return lines + ("assistant:" if add_generation_prompt else "")
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self._special)
+
+
+def _raise_template_error(message):
+    raise ValueError(message)
+
+
+def _token_text(token) -> str:
+    if isinstance(token, dict):
+        return token.get("content", "")
+    return token or ""
+
+
+# ---- replies ------------------------------------------------------------------------------------
+def new_id(is_chat: bool) -> str:
+    return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+class ReplyBuilder:
+    """Builds the full reply, or the stream's chunks, of one parsed request.
+
+    Outputs are cumulative (RequestOutput text and token lists grow); the builder remembers what
+    each choice has streamed. Choice index = prompt index * n + sample index, as OpenAI does.
+    """
+
+    def __init__(self, parsed: ParsedRequest, model: ModelInfo):
+        self.parsed, self.model = parsed, model
+        self.id, self.created = new_id(parsed.is_chat), int(time.time())
+        self._object = "chat.completion" if parsed.is_chat else "text_completion"
+        self._sent_text: dict[int, int] = {}    # choice index -> chars streamed
+        self._sent_tokens: dict[int, int] = {}  # choice index -> tokens streamed
+        self._finished: set[int] = set()
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = self._object + (".chunk" if chunk and self.parsed.is_chat else "")
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.model.name, "choices": choices}
+
+    def full(self, outputs: list[RequestOutput]) -> dict:
+        """The non-streaming reply for every prompt's final output, in prompt order."""
+        choices = []
+        for prompt_index, output in enumerate(outputs):
+            for completion in output.outputs:
+                index = prompt_index * self.parsed.params.n + completion.index
+                logprobs = self._logprobs(completion.token_ids, completion.logprobs, 0)
+                if self.parsed.is_chat:
+                    choices.append({"index": index, "message": {"role": "assistant",
+                                                                "content": completion.text},
+                                    "logprobs": logprobs,
+                                    "finish_reason": completion.finish_reason})
+                else:
+                    choices.append({"index": index, "text": completion.text,
+                                    "logprobs": logprobs,
+                                    "finish_reason": completion.finish_reason})
+        choices.sort(key=lambda choice: choice["index"])
+        return {**self._envelope(choices, chunk=False), "usage": usage(outputs)}
+
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant role for every choice."""
+        if not self.parsed.is_chat:
+            return []
+        count = len(self.parsed.prompts) * self.parsed.params.n
+        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}], chunk=True)
+                for i in range(count)]
+
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict]:
+        """Stream chunks for what `output` adds since the last call for this prompt."""
+        chunks = []
+        for completion in output.outputs:
+            index = prompt_index * self.parsed.params.n + completion.index
+            if index in self._finished:
+                continue
+            is_done = completion.finish_reason is not None
+            sent = self._sent_text.get(index, 0)
+            end = len(completion.text) if is_done else max(sent, len(completion.text) - _held_back(
+                completion.text, self.parsed.params.stop))
+            first_token = self._sent_tokens.get(index, 0)
+            if end == sent and not is_done:
+                continue
+            delta_text = completion.text[sent:end]
+            self._sent_text[index] = end
+            self._sent_tokens[index] = len(completion.token_ids)
+            logprobs = self._logprobs(completion.token_ids[first_token:],
+                                      (completion.logprobs or [])[first_token:], sent)
+            if is_done:
+                self._finished.add(index)
+            chunks.append(self._envelope([self._choice_delta(index, delta_text, logprobs,
+                                                             completion.finish_reason)],
+                                         chunk=True))
+        return chunks
+
+    def _choice_delta(self, index, text, logprobs, finish_reason) -> dict:
+        if self.parsed.is_chat:
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
+        return {**self._envelope([], chunk=True), "usage": usage(outputs)}
+
+    # ---- logprobs ----------------------------------------------------------------------------
+    def _logprobs(self, token_ids, entries, text_offset: int):
+        top = self.parsed.num_top_logprobs
+        if top is None:
+            return None
+        if self.parsed.is_chat:
+            return {"content": [self._chat_logprob(t, e, top) for t, e in zip(token_ids, entries)]}
+        tokens, offsets = [], []
+        for token_id in token_ids:
+            offsets.append(text_offset)
+            tokens.append(self._token_text(token_id))
+            text_offset += len(tokens[-1])
+        return {"tokens": tokens,
+                "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{self._token_text(i): lp for i, lp in list(e.items())[:top]}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprob(self, token_id: int, entry: dict, top: int) -> dict:
+        def item(i, lp):
+            text = self._token_text(i)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {**item(token_id, entry[token_id]),
+                "top_logprobs": [item(i, lp) for i, lp in list(entry.items())[:top]]}
+
+    def _token_text(self, token_id: int) -> str:
+        if self.model.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string: it may
+    still turn into a stop string, which is cut from the output, so it is not streamed yet."""
+    longest = 0
+    for stop_string in stop:
+        for length in range(min(len(stop_string) - 1, len(text)), longest, -1):
+            if text.endswith(stop_string[:length]):
+                longest = length
+                break
+    return longest
+
+
+def sse(data) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

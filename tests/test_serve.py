@@ -1,0 +1,426 @@
+"""The OpenAI-compatible server: one real uvicorn subprocess on a free loopback port (official
+openai client, greedy parity with LLM.generate, 64 concurrent streams with disconnects, aborts
+freeing blocks) and an in-process app (bad input, metrics, streams, engine errors, flags)."""
+
+import asyncio
+import json
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from jpaged import LLM, SamplingParams
+from jpaged import openai_api as api
+from jpaged import serve
+from jpaged.async_engine import AsyncEngine
+from jpaged.engine_config import default_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+# Small settings keep the number of compiled shapes (and so the test time) down.
+ENGINE_FLAGS = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256)
+PROMPTS = ["def main(", "import os\nimport sys\n\n", "class Config:\n    def "]
+GREEDY = dict(temperature=0, max_tokens=24)
+
+
+def _metrics(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def _wait_idle(get_metrics, timeout: float = 10.0) -> dict:
+    """Poll /metrics until nothing is running or waiting and no block is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = _metrics(get_metrics())
+        idle = (values["vllm:num_requests_running"] == 0
+                and values["vllm:num_requests_waiting"] == 0
+                and values["jpaged:num_kv_blocks_used"] == 0)
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+# ---- the real server ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python -m jpaged.serve` (the built-in model) on a free 127.0.0.1 port: (URL, log path)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE_FLAGS.items()]
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jpaged.serve", "--host", "127.0.0.1", f"--port={port}",
+         "--uvicorn-log-level=warning", *flags],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    try:
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"server exited early:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not become healthy within 90 s")
+            time.sleep(0.2)
+        yield url, log_path
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    return LLM(None, **ENGINE_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def offline_greedy(offline_llm):
+    outputs = offline_llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+    return [output.outputs[0].text for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def openai_client(url):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_banner_is_printed_and_models_lists_the_default(server):
+    url, log_path = server
+    banner = log_path.read_text()
+    assert url in banner and f"curl {url}/v1/completions" in banner
+    models = httpx.get(f"{url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [serve.DEFAULT_MODEL_NAME]
+
+
+def test_openai_client_completions_equal_offline_greedy(openai_client, offline_greedy):
+    for prompt, expected in zip(PROMPTS, offline_greedy):
+        reply = openai_client.completions.create(model=serve.DEFAULT_MODEL_NAME, prompt=prompt,
+                                                 **GREEDY)
+        assert reply.choices[0].text == expected
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        assert reply.usage.prompt_tokens == len(prompt.encode())  # byte-level tokenizer
+        assert reply.usage.completion_tokens <= GREEDY["max_tokens"]
+
+
+def test_openai_client_streaming_n_and_logprobs(openai_client, offline_greedy):
+    stream = openai_client.completions.create(model=serve.DEFAULT_MODEL_NAME, prompt=PROMPTS[0],
+                                              stream=True, **GREEDY)
+    assert "".join(chunk.choices[0].text for chunk in stream) == offline_greedy[0]
+    reply = openai_client.completions.create(
+        model=serve.DEFAULT_MODEL_NAME, prompt=PROMPTS[1], n=3, temperature=1.0, seed=7,
+        max_tokens=8, logprobs=2)
+    assert sorted(choice.index for choice in reply.choices) == [0, 1, 2]
+    for choice in reply.choices:
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs)
+        assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+        assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in reply.choices)
+
+
+def test_openai_client_chat_plain_and_streaming(openai_client):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "def add(a, b):"}]
+    reply = openai_client.chat.completions.create(
+        model=serve.DEFAULT_MODEL_NAME, messages=messages, max_tokens=16, temperature=0,
+        logprobs=True, top_logprobs=2)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert len(choice.logprobs.content) == reply.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 2 for item in choice.logprobs.content)
+    stream = openai_client.chat.completions.create(
+        model=serve.DEFAULT_MODEL_NAME, messages=messages, max_tokens=16, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(url):
+    before = _metrics(httpx.get(f"{url}/metrics").text)
+    body = {"prompt": "def main(", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    after = _wait_idle(lambda: httpx.get(f"{url}/metrics").text)
+    assert after["jpaged:num_kv_blocks_used"] == 0
+    assert after["vllm:num_requests_running"] == 0
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 0 < generated < 200  # aborted, not run to max_tokens
+
+
+def test_non_streaming_disconnect_aborts(url):
+    before = _metrics(httpx.get(f"{url}/metrics").text)
+    body = {"prompt": "import ", "max_tokens": 230, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    after = _wait_idle(lambda: httpx.get(f"{url}/metrics").text)
+    assert after["jpaged:num_kv_blocks_used"] == 0
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated < 230
+
+
+def test_64_concurrent_streams_with_random_disconnects(url):
+    rng = random.Random(0)
+    plans = [(rng.choice(PROMPTS), rng.randint(4, 12), rng.random() < 0.3 and rng.randint(1, 3))
+             for _ in range(64)]
+
+    async def client(http, prompt, max_tokens, disconnect_after):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        events = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if disconnect_after and len(events) >= disconnect_after:
+                        return None
+        return events
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+            return await asyncio.wait_for(
+                asyncio.gather(*(client(http, *plan) for plan in plans)), timeout=90)
+
+    results = asyncio.run(run_all())
+    stayed = [(plan, events) for plan, events in zip(plans, results) if events is not None]
+    assert len(stayed) >= 40
+    for (_, max_tokens, _), events in stayed:
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in events[:-1]]
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+        assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    values = _wait_idle(lambda: httpx.get(f"{url}/metrics").text)
+    assert values["jpaged:num_kv_blocks_used"] == 0
+    assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+    assert values["vllm:time_to_first_token_seconds_count"] >= 64
+    assert values["vllm:time_per_output_token_seconds_count"] > 0
+
+
+# ---- the in-process app -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def app_client(offline_llm, offline_greedy):
+    """A TestClient over an app driving the offline LLM's engine (after the greedy outputs were
+    taken, so only the app's engine thread uses it from then on)."""
+    engine = offline_llm.engine
+    async_engine = AsyncEngine(engine, "tiny")
+    app = serve.build_app(async_engine, serve.model_info(engine, default_model_dir(), "tiny"))
+    with TestClient(app) as client:
+        client.engine = engine
+        yield client
+
+
+GOOD = {"prompt": "x = ", "max_tokens": 2}
+BAD_INPUTS = [
+    ("completions", "{not json", 400, None),
+    ("completions", "[1, 2]", 400, None),
+    ("completions", {"max_tokens": 3}, 400, "prompt"),
+    ("completions", {"prompt": 3}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": [1, 9999]}, 400, "prompt"),
+    ("completions", {"prompt": "a", "max_tokens": "10"}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "n": True}, 400, "n"),
+    ("completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "a", "top_k": 0}, 400, "top_k"),
+    ("completions", {"prompt": "a", "min_p": 2}, 400, "min_p"),
+    ("completions", {"prompt": "a", "seed": "s"}, 400, "seed"),
+    ("completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ("completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "a", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "a" * 300}, 400, "prompt"),
+    ("completions", {"prompt": "a", "max_tokens": 300}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("completions", {"prompt": "a", "n": 9}, 400, None),  # the engine's own check
+    ("chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, 400,
+     "messages"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,param", BAD_INPUTS,
+                         ids=[f"{i}-{case[2]}-{case[3]}" for i, case in enumerate(BAD_INPUTS)])
+def test_bad_input_gets_openai_error_and_server_carries_on(app_client, route, body, status,
+                                                            param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    reply = app_client.post(f"/v1/{route}", content=content,
+                            headers={"Content-Type": "application/json"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    if param is not None and "[" not in param:
+        assert param.split(".")[0] in error["message"]
+    good = app_client.post("/v1/completions", json=GOOD)
+    assert good.status_code == 200 and len(good.json()["choices"]) == 1
+
+
+def test_context_length_error_has_openai_code(app_client):
+    reply = app_client.post("/v1/completions", json={"prompt": "a" * 300})
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+    assert "256" in reply.json()["error"]["message"]
+
+
+def test_unknown_route_is_openai_error(app_client):
+    reply = app_client.get("/v1/nothing")
+    assert reply.status_code == 404 and "error" in reply.json()
+
+
+def test_stream_equals_full_reply_with_stop_strings_and_seed(app_client):
+    body = {"prompt": "def main(", "max_tokens": 40, "temperature": 0.9, "seed": 3,
+            "stop": ["\n\n", "return"]}
+    full = app_client.post("/v1/completions", json=body).json()
+    with app_client.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    assert "\n\n" not in full["choices"][0]["text"]
+
+
+def test_several_prompts_and_n_give_prompt_major_choices(app_client):
+    reply = app_client.post("/v1/completions", json={
+        "prompt": ["a = ", "b = "], "n": 2, "max_tokens": 3, "temperature": 1, "seed": 1}).json()
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
+    assert reply["usage"]["prompt_tokens"] == 8
+    assert reply["usage"]["completion_tokens"] == 12
+
+
+def test_stream_with_n_ends_every_choice(app_client):
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 5,
+            "temperature": 1, "stream": True}
+    with app_client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    finished = {c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]}
+    assert finished == {0, 1, 2}
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
+    assert roles == [0, 1, 2]
+
+
+def test_engine_error_fails_that_request_and_the_next_one_works(app_client):
+    engine = app_client.engine
+    original = engine.step
+
+    def failing_step():
+        engine.step = original
+        raise RuntimeError("injected failure")
+
+    engine.step = failing_step
+    try:
+        reply = app_client.post("/v1/completions", json=GOOD)
+    finally:
+        engine.step = original
+    assert reply.status_code == 500 and "injected failure" in reply.json()["error"]["message"]
+    values = _metrics(app_client.get("/metrics").text)
+    assert values["jpaged:num_kv_blocks_used"] == 0
+    assert app_client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_metrics_health_and_models(app_client):
+    assert app_client.get("/health").status_code == 200
+    assert app_client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    text = app_client.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_requests_swapped", "vllm:gpu_cache_usage_perc",
+                 "vllm:gpu_prefix_cache_hit_rate", "vllm:num_preemptions_total",
+                 "vllm:generation_tokens_total", "jpaged:num_kv_blocks_used",
+                 "jpaged:num_kv_blocks_free", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_bucket"):
+        assert name in text, name
+    values = _metrics(text)
+    assert values["vllm:num_requests_swapped"] == 0
+    assert values["jpaged:num_kv_blocks_free"] == values["jpaged:num_kv_blocks_total"]
+
+
+# ---- flags and templates (no engine) ------------------------------------------------------------
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--host", "--port", "--block-size", "--num-kv-blocks",
+                 "--gpu-memory-utilization", "--max-num-seqs", "--max-model-len",
+                 "--preemption-mode", "--swap-space", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--dtype", "--seed", "--attention-backend"):
+        assert flag in text, flag
+    assert "127.0.0.1" in text
+
+
+@pytest.mark.parametrize("argv,flag", [(["--preemption-mode", "swap"], "--preemption-mode"),
+                                       (["--swap-space", "4"], "--swap-space"),
+                                       (["--enable-prefix-caching"], "--enable-prefix-caching")])
+def test_unsupported_flags_fail_at_startup_naming_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        serve.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_flags_reach_the_engine_options():
+    args = serve.parse_args(["--block-size", "8", "--num-kv-blocks", "99", "--max-num-seqs", "3",
+                             "--max-model-len", "100", "--dtype", "bfloat16", "--seed", "5",
+                             "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5"])
+    options = serve.engine_options(args)
+    assert (options["block_size"], options["num_kv_blocks"], options["max_num_seqs"],
+            options["max_model_len"], options["dtype"], options["seed"],
+            options["gpu_memory_utilization"]) == (8, 99, 3, 100, "bfloat16", 5, 0.5)
+    assert (args.host, args.model) == ("127.0.0.1", None)
+
+
+def test_chat_template_from_tokenizer_config_and_default(tmp_path):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert api.ChatTemplate().render(messages) == "user: hi\nassistant: yo\nassistant:"
+    config = {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": (
+        "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = api.ChatTemplate.from_model_dir(tmp_path)
+    assert template.render(messages) == "<s>[user]hi</s>[assistant]yo</s>[assistant]"
+    strict = api.ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="alternate"):
+        strict.render(messages)
