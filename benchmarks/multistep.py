@@ -32,23 +32,27 @@ from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
 
 
-def run_once(engine, batch, k, decode_tokens, rng):
-    engine.config = dataclasses.replace(engine.config, num_scheduler_steps=k)
+def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False):
+    engine.config = dataclasses.replace(engine.config, num_scheduler_steps=k,
+                                        async_scheduling=async_scheduling)
     vocab = engine.model_config.vocab_size
     for index in range(batch):
         engine.add_request(f"b{batch}k{k}r{index}", prompt_token_ids=rng.integers(
             10, vocab, 16).tolist(), params=SamplingParams(
             temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
     engine.step_log = []
+    start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
+    elapsed = time.perf_counter() - start
     decode = [r for r in engine.step_log if r.is_decode]
     compiled = any(r.compiled for r in decode)
     tokens = sum(r.num_generated for r in decode)
     device = sum(r.device_seconds for r in decode)
     host = sum(r.host_seconds for r in decode)
+    prefill = sum(r.device_seconds + r.host_seconds for r in engine.step_log if not r.is_decode)
     return dict(batch=batch, k=k, tokens=tokens, wall=device + host, device=device, host=host,
-                steps=len(decode), compiled=compiled)
+                steps=len(decode), compiled=compiled, elapsed=elapsed - prefill)
 
 
 def main(argv=None):
@@ -70,8 +74,12 @@ def main(argv=None):
              f"{args.batches} --ks {args.ks} --decode-tokens {args.decode_tokens}",
              "16-token prompts, 128 greedy tokens each; a row marked * includes a compile "
              "(first use of that batch bucket) and is not comparable", "",
+             "Synchronous runs give the device-only time (transfer in, loop, transfer out, per "
+             "step); async runs overlap the host with the next loop, so their wall time is "
+             "compared with the synchronous run's device time.", "",
              "| model | batch | K | steps | tokens/s | device-only tokens/s | wall / device | "
-             "host us per token-step | GPU idle |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "host us per token-step | GPU idle | async tokens/s | async wall / device |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     results = []
     for name in args.models.split(","):
         config = ModelConfig.preset(name)
@@ -81,15 +89,20 @@ def main(argv=None):
                                       num_scheduler_steps=max(ks))
         for batch in batches:
             run_once(engine, batch, max(ks), 8, rng)  # compile this batch's shapes first
+            run_once(engine, batch, max(ks), 8, rng, async_scheduling=True)
             for k in ks:
                 r = run_once(engine, batch, k, args.decode_tokens, rng) | dict(model=name)
+                a = run_once(engine, batch, k, args.decode_tokens, rng, async_scheduling=True)
+                r["async_elapsed"] = a["elapsed"]
                 results.append(r)
                 mark = "*" if r["compiled"] else ""
                 lines.append(
                     f"| {name} | {batch} | {k}{mark} | {r['steps']} | "
                     f"{r['tokens'] / r['wall']:.0f} | {r['tokens'] / r['device']:.0f} | "
                     f"{r['wall'] / r['device']:.3f} | {1e6 * r['host'] / r['tokens']:.1f} | "
-                    f"{100 * (1 - r['device'] / r['wall']):.1f}% |")
+                    f"{100 * (1 - r['device'] / r['wall']):.1f}% | "
+                    f"{r['tokens'] / r['async_elapsed']:.0f} | "
+                    f"{r['async_elapsed'] / r['device']:.3f} |")
                 print(lines[-1], flush=True)
         del engine, model
     text = "\n".join(lines) + "\n"
@@ -112,9 +125,13 @@ def plot(results, path):
             rows = [r for r in results if r["model"] == name and r["batch"] == batch]
             ax.plot([r["k"] for r in rows], [100 * (1 - r["device"] / r["wall"]) for r in rows],
                     marker="o", label=f"batch {batch}")
+            ax.plot([r["k"] for r in rows],
+                    [100 * max(0.0, 1 - r["device"] / r["async_elapsed"]) for r in rows],
+                    marker="x", linestyle="--", color=ax.lines[-1].get_color(),
+                    label=f"batch {batch}, async")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("K (decode iterations per device loop)")
-        ax.set_ylabel("GPU idle (% of wall time)")
+        ax.set_ylabel("GPU idle (% of wall time; dashed: async scheduling)")
         ax.set_title(name)
         ax.legend()
     fig.tight_layout()

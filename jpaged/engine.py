@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jpaged.block_mirror import HostBlockMirror
+from jpaged.decode_pipeline import DecodePipeline
 from jpaged.detokenizer import IncrementalDetokenizer
 from jpaged.engine_config import EngineConfig, build_engine_config, resolve_engine_config
 from jpaged.request import CompletionOutput, Request, RequestOutput, Sequence
@@ -58,6 +59,7 @@ class LLMEngine:
                                       -(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(self.mirror, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
+        self.pipeline = DecodePipeline(self)
         self.runner = ModelRunner(
             model, num_blocks=config.num_kv_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
@@ -158,9 +160,22 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.abort(request_id)
+        held = [seq for seq in request.live_sequences if self.pipeline.holds(seq)]
+        if held:
+            for seq in request.live_sequences:
+                seq.finish_reason = "abort"
+            self._defer_free(held)
+            self.scheduler.retire(request)
+        else:
+            self.scheduler.abort(request_id)
         self._flush_block_ops()
         return True
+
+    def _defer_free(self, sequences: list[Sequence]):
+        """Free sequences still live in the in-flight loop: on the device after that loop (it is
+        dispatched now), in the mirror after that loop's replay."""
+        self.scheduler.queue_device_free(sequences)
+        self.pipeline.deferred.extend(sequences)
 
     def _flush_block_ops(self):
         """Replay the scheduler's queued frees and forks on the device block manager."""
@@ -168,7 +183,7 @@ class LLMEngine:
         self.scheduler.pending_ops = []
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.pipeline.in_flight is not None
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -176,17 +191,29 @@ class LLMEngine:
 
         A step of pure decodes runs as one device loop of up to `num_scheduler_steps` iterations
         when no request is waiting (so new requests join at the next step: TTFT is unaffected),
-        and of one iteration otherwise.
+        and of one iteration otherwise. With `async_scheduling`, while nothing waits, the next
+        loop is dispatched before this one's tokens are processed on the host, so the host work
+        overlaps the device; outputs then trail the device by one step.
         """
         start = time.perf_counter()
-        schedule = self.scheduler.schedule()
-        self._flush_block_ops()
-        if not schedule.rows:
-            return []
-        if self._is_pure_decode(schedule):
-            results, device_freed = self._run_decode_loop(schedule)
+        if self.pipeline.in_flight is not None:
+            rows = self.pipeline.in_flight.rows
+            results, device_freed = self.pipeline.advance(chain=self._can_chain())
+            is_decode, num_tokens = True, len(rows)
         else:
-            results, device_freed = self._run_step(schedule), []
+            schedule = self.scheduler.schedule()
+            self._flush_block_ops()
+            if not schedule.rows:
+                return []
+            rows, is_decode, num_tokens = schedule.rows, schedule.is_decode, schedule.num_tokens
+            if self._is_pure_decode(schedule):
+                self.pipeline.launch(schedule.rows, 1 if self.scheduler.waiting
+                                     else self.config.num_scheduler_steps)
+                if self._can_chain():
+                    return []  # this loop's tokens come back with the next step
+                results, device_freed = self.pipeline.advance(chain=False)
+            else:
+                results, device_freed = self._run_step(schedule), []
         device_seconds = self.runner.last_device_seconds
         outputs = self._process(results, device_freed)
         self._flush_block_ops()  # finished sequences' blocks return now, not at the next step
@@ -196,8 +223,8 @@ class LLMEngine:
         self.host_seconds += total_seconds
         if self.step_log is not None:
             self.step_log.append(StepRecord(
-                schedule.is_decode, len(schedule.rows), schedule.num_tokens,
-                sum(row.start + row.num_tokens for row in schedule.rows),
+                is_decode, len(rows), num_tokens,
+                sum(row.start + row.num_tokens for row in rows),
                 sum(len(samples) for _, _, samples in results), device_seconds,
                 total_seconds - device_seconds, self.runner.last_step_compiled))
         return outputs
@@ -206,6 +233,15 @@ class LLMEngine:
     def _is_pure_decode(schedule) -> bool:
         return all(row.num_tokens == 1 and row.sample_indices == (row.seq.index,)
                    for row in schedule.rows)
+
+    def _can_chain(self) -> bool:
+        """Continue the in-flight loop without scheduling? Only while nothing waits, the pool
+        did not run dry (preemption needs the scheduler), and the loop covers every running
+        sequence (a request left out by the token budget must not starve)."""
+        running = self.scheduler.running
+        return (self.config.async_scheduling and not self.scheduler.waiting and bool(running)
+                and not self.pipeline.ran_dry
+                and self.pipeline.covers(s for r in running for s in r.live_sequences))
 
     def _run_step(self, schedule):
         """One compiled step of any mix; returns [(row, sample_index, samples)]."""
@@ -224,33 +260,8 @@ class LLMEngine:
                                       top_logprobs[i])])
                 for i, (row, sample_index) in enumerate(targets)]
 
-    def _run_decode_loop(self, schedule):
-        """Up to K decode iterations on the device; returns the samples and the sequences the
-        device already retired (their blocks are free there and in the mirror)."""
-        rows = schedule.rows
-        num_steps = 1 if self.scheduler.waiting else self.config.num_scheduler_steps
-        result = self.runner.execute_decode(
-            [(row.seq.slot, row.token_ids[0]) for row in rows],
-            [SamplingRow(row.request.params, row.request.seed, row.seq.index,
-                         row.start + 1) for row in rows],
-            [row.request.params.max_tokens - len(row.seq.output_token_ids) for row in rows],
-            [self._stop_ids(row.request.params) for row in rows],
-            min(num_steps, self.loop_capacity), self.loop_capacity, self.config.max_model_len,
-            max(row.request.params.logprobs or 0 for row in rows))
-        done_at = [int(d) for d in result.done_at]
-        num_done = int(result.num_done)
-        self.num_loops_out_of_blocks += bool(result.out_of_blocks)
-        self.scheduler.replay_decode_loop(rows, done_at, num_done)
-        results = []
-        for b, row in enumerate(rows):
-            count = done_at[b] + 1 if done_at[b] >= 0 else num_done
-            row.seq.num_computed += count - 1
-            results.append((row, row.seq.index, [
-                (int(result.token_ids[i, b]), float(result.logprobs[i, b]), result.top_ids[i, b],
-                 result.top_logprobs[i, b]) for i in range(count)]))
-        return results, [row.seq for b, row in enumerate(rows) if done_at[b] >= 0]
-
-    def _stop_ids(self, params: SamplingParams) -> list[int]:
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        """Token ids that end a sequence on the device: stop_token_ids, and EOS unless ignored."""
         ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             ids += [t for t in self.eos_token_ids if t not in ids]
@@ -284,7 +295,10 @@ class LLMEngine:
             if live:
                 self.scheduler.fork(touched[request_id], live)
         freed_ids = {id(seq) for seq in device_freed}
-        self.scheduler.finish([seq for seq in finished if id(seq) not in freed_ids])
+        host_finished = [seq for seq in finished if id(seq) not in freed_ids]
+        held = [seq for seq in host_finished if self.pipeline.holds(seq)]
+        self.scheduler.finish([seq for seq in host_finished if not self.pipeline.holds(seq)])
+        self._defer_free(held)
         self.scheduler.release_slots(device_freed)
         outputs = []
         for request in touched.values():

@@ -28,6 +28,7 @@ class EngineConfig:
     attention_backend: str = "reference"
     interpret: bool = False
     num_scheduler_steps: int = 1
+    async_scheduling: bool = False     # overlap host processing with the next decode loop
     warmup: bool = False               # compile every bucket shape at start-up
     strict_compilation: bool = False   # after warm-up, a new shape is an error
     compilation_cache_dir: str | None = None
@@ -77,7 +78,7 @@ def resolve_engine_config(model=None, *, dtype="auto", **options):
 def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9,
                         max_num_seqs=256, max_model_len=None, max_num_batched_tokens=None, seed=0,
                         attention_backend="auto", kv_cache_dtype="auto",
-                        num_scheduler_steps=1, warmup=None, strict_compilation=False,
+                        num_scheduler_steps=1, async_scheduling=False, warmup=None, strict_compilation=False,
                         compilation_cache_dir=None) -> EngineConfig:
     """Engine settings for a model already in memory (its weights count against the budget).
 
@@ -109,7 +110,8 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                         kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret,
-                        num_scheduler_steps=num_scheduler_steps, warmup=warmup,
+                        num_scheduler_steps=num_scheduler_steps,
+                        async_scheduling=async_scheduling, warmup=warmup,
                         strict_compilation=strict_compilation,
                         compilation_cache_dir=compilation_cache_dir)
 

@@ -82,6 +82,16 @@ class DecodeResult:
     out_of_blocks: jax.Array
 
 
+@dataclasses.dataclass
+class LaunchedLoop:
+    """A dispatched decode loop: its device inputs and (not yet fetched) results."""
+    inputs: DecodeInputs
+    result: DecodeResult
+    static: dict
+    num_rows: int
+    start: float
+
+
 def bucket(n: int, floor: int, cap: int) -> int:
     """Smallest power of two >= n (at least floor), capped at cap (which must be >= n)."""
     if n > cap:
@@ -174,10 +184,18 @@ class ModelRunner:
 
     def execute_decode(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
                        max_steps: int, max_model_len: int, num_logprobs: int):
-        """Run up to num_steps decode iterations in one device loop (see `_decode_loop_impl`).
+        """Run up to num_steps decode iterations in one device loop and wait for the result
+        (launch_decode then fetch_decode)."""
+        launched = self.launch_decode(rows, sampling_rows, remaining, stop_ids, num_steps,
+                                      max_steps, max_model_len, num_logprobs)
+        return self.fetch_decode(launched, len(rows))
+
+    def launch_decode(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
+                      max_steps: int, max_model_len: int, num_logprobs: int) -> "LaunchedLoop":
+        """Dispatch a decode loop (see `_decode_loop_impl`) without waiting for it.
 
         rows: [(seq_id, last_token)], one sampled row each, in order; remaining: [int];
-        stop_ids: [[int]] per row. Returns the DecodeResult on the host, cut to the real rows.
+        stop_ids: [[int]] per row.
         """
         batch = bucket(len(rows), 4, self.max_num_seqs)
         width = bucket(max((len(ids) for ids in stop_ids), default=1), 16, 1 << 16)
@@ -191,19 +209,39 @@ class ModelRunner:
         sampling = SamplingTensors.from_rows([r for r in sampling_rows], batch)
         inputs = DecodeInputs(token_ids, seq_ids, sampling, remaining_arr, stop_arr,
                               np.int32(num_steps))
-        self.num_padded_tokens += batch * num_steps
-        self.num_real_tokens += len(rows) * num_steps
-        logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
-        key = ("decode", batch, width, max_steps, logprob_bucket)
+        static = dict(max_steps=max_steps, max_model_len=max_model_len,
+                      num_logprobs=MAX_LOGPROBS if num_logprobs else 0)
+        return self._launch(jax.device_put(inputs), static, len(rows))
+
+    def continue_decode(self, previous: "LaunchedLoop", keep, num_steps: int) -> "LaunchedLoop":
+        """Dispatch the next loop straight from the previous one's device results (its last
+        tokens, its live rows), without waiting for them: rows finished on the device stay out,
+        and so do rows whose `keep` [rows] flag is False (finished on the host)."""
+        keep_arr = np.zeros(previous.inputs.seq_ids.shape[0], bool)
+        keep_arr[:len(keep)] = keep
+        inputs = self._timed(("next", keep_arr.shape[0], previous.inputs.stop_ids.shape[1]),
+                             _next_inputs, previous.inputs, previous.result,
+                             jax.device_put(keep_arr), np.int32(num_steps))
+        return self._launch(inputs, previous.static, previous.num_rows)
+
+    def _launch(self, device_inputs, static, num_rows) -> "LaunchedLoop":
+        batch = device_inputs.seq_ids.shape[0]
+        key = ("decode", batch, device_inputs.stop_ids.shape[1], static["max_steps"],
+               static["num_logprobs"])
         start = time.perf_counter()
         self.manager, self.cache, result = self._timed(
-            key, _decode_loop, self.params, self.manager, self.cache, jax.device_put(inputs),
-            graphdef=self.graphdef, max_steps=max_steps, max_model_len=max_model_len,
-            num_logprobs=logprob_bucket, backend=self.attention_backend,
-            interpret=self.interpret)
-        result = jax.device_get(result)
-        self.last_device_seconds = time.perf_counter() - start
-        count = len(rows)
+            key, _decode_loop, self.params, self.manager, self.cache, device_inputs,
+            graphdef=self.graphdef, backend=self.attention_backend, interpret=self.interpret,
+            **static)
+        return LaunchedLoop(device_inputs, result, static, num_rows, start)
+
+    def fetch_decode(self, launched: "LaunchedLoop", count: int) -> DecodeResult:
+        """Wait for a launched loop; its results on the host, cut to the real rows."""
+        result = jax.device_get(launched.result)
+        self.last_device_seconds = time.perf_counter() - launched.start
+        steps = int(result.num_done)
+        self.num_padded_tokens += result.done_at.shape[0] * steps
+        self.num_real_tokens += count * steps
         return dataclasses.replace(
             result, token_ids=result.token_ids[:, :count], logprobs=result.logprobs[:, :count],
             top_ids=result.top_ids[:, :count], top_logprobs=result.top_logprobs[:, :count],
@@ -234,8 +272,9 @@ class ModelRunner:
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
         for kind, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
             if kind == "decode":
-                self.execute_decode([(-1, 0)] * size, [pad_row] * size, [0] * size,
-                                    [[]] * size, 1, max_steps, max_model_len, logprobs)
+                launched = self.launch_decode([(-1, 0)] * size, [pad_row] * size, [0] * size,
+                                              [[]] * size, 1, max_steps, max_model_len, logprobs)
+                self.fetch_decode(self.continue_decode(launched, [False] * size, 1), size)
             elif kind == "step":
                 # One padded row per token bucket: seq -1 appends nothing, writes are dropped.
                 self.execute([(-1, [0] * size)], [(0, pad_row)], logprobs)
@@ -382,6 +421,19 @@ def _decode_loop_impl(params, manager, cache, inputs: DecodeInputs, *, graphdef,
     return manager, cache, result
 
 
+def _next_inputs_impl(inputs: DecodeInputs, result: DecodeResult, keep, num_steps):
+    """The inputs of the loop that continues `result`: each live row's last sampled token, its
+    positions and remaining budget advanced by the iterations run."""
+    ran = result.num_done
+    last = result.token_ids[jnp.maximum(ran - 1, 0)]
+    alive = (inputs.seq_ids >= 0) & (result.done_at < 0) & keep
+    return DecodeInputs(
+        token_ids=jnp.where(ran > 0, last, inputs.token_ids),
+        seq_ids=jnp.where(alive, inputs.seq_ids, -1),
+        sampling=dataclasses.replace(inputs.sampling, positions=inputs.sampling.positions + ran),
+        remaining=inputs.remaining - ran, stop_ids=inputs.stop_ids, num_steps=num_steps)
+
+
 # Module-level, so engines with the same model and shapes share compiled executables.
 # Donated: argument 1 (block-manager state) and 2 (KV cache) are updated in place.
 _step = jax.jit(_step_impl, static_argnames=("graphdef", "is_decode", "num_logprobs", "backend",
@@ -389,5 +441,6 @@ _step = jax.jit(_step_impl, static_argnames=("graphdef", "is_decode", "num_logpr
 _decode_loop = jax.jit(_decode_loop_impl, static_argnames=(
     "graphdef", "max_steps", "max_model_len", "num_logprobs", "backend", "interpret"),
     donate_argnums=(1, 2))
+_next_inputs = jax.jit(_next_inputs_impl)
 _free = jax.jit(memory.free_seqs, donate_argnums=0)
 _fork = jax.jit(memory.fork_seqs, donate_argnums=0)

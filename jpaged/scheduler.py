@@ -102,19 +102,36 @@ class Scheduler:
                 self.free_slots.append(seq.slot)
             seq.slot, seq.num_computed = -1, 0
 
-    def replay_decode_loop(self, rows: list[ScheduledRow], done_at: list[int], num_done: int):
+    def replay_decode_loop(self, rows: list[ScheduledRow], active: list[bool],
+                           done_at: list[int], num_done: int, first_planned: bool):
         """Repeat on the mirror what a device decode loop did: iteration i appends one token to
-        every row still live, then frees the rows that finished at i. Iteration 0's append was
-        planned by `schedule`. The device did these frees itself: nothing is queued."""
+        every row live at i, then frees the rows that finished at i. When `first_planned`,
+        `schedule` already planned iteration 0's appends. The device did these frees itself:
+        nothing is queued."""
         slots = [row.seq.slot for row in rows]
         for step in range(num_done):
-            if step > 0:
-                ok, _, _ = self.mirror.append([(slot, 1) for slot, done in zip(slots, done_at)
-                                               if done < 0 or done >= step])
+            if step > 0 or not first_planned:
+                ok, _, _ = self.mirror.append([
+                    (slot, 1) for slot, live, done in zip(slots, active, done_at)
+                    if live and (done < 0 or done >= step)])
                 assert ok, "device decode loop appended what the mirror cannot"
-            retired = [slot for slot, done in zip(slots, done_at) if done == step]
+            retired = [slot for slot, live, done in zip(slots, active, done_at)
+                       if live and done == step]
             if retired:
                 self.mirror.free(retired)
+
+    def queue_device_free(self, sequences: list[Sequence]):
+        """Queue the device free of sequences whose mirror free comes later (pipelining)."""
+        slots = [seq.slot for seq in sequences if seq.slot >= 0]
+        if slots:
+            self.pending_ops.append(("free", slots))
+
+    def release_in_mirror(self, sequences: list[Sequence]):
+        """The mirror half of a free already dispatched to the device, and the slots."""
+        slots = [seq.slot for seq in sequences if seq.slot >= 0]
+        if slots:
+            self.mirror.free(slots)
+        self.release_slots(sequences)
 
     def fork(self, request: Request, children: list[Sequence]):
         """Children share all of sequence 0's blocks; their slots were reserved at admission."""

@@ -192,3 +192,70 @@ def test_strict_compilation_refuses_a_new_shape(hf_checkpoints):
     with pytest.raises(ValueError, match="warmup"):
         LLMEngine.from_pretrained(hf_checkpoints["llama_gqa"], num_kv_blocks=32,
                                   max_model_len=64, strict_compilation=True, warmup=False)
+
+
+# ---- async scheduling: the next loop runs while the host processes the last -----------------
+
+def test_async_scheduling_gives_identical_outputs(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    baseline, _ = generate(path, 1)
+    for k in (1, 4):
+        assert generate(path, k, async_scheduling=True)[0] == baseline, k
+    assert generate(path, 4, order=[2, 4, 0, 3, 1], async_scheduling=True)[0] == baseline
+
+
+def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints):
+    """A stop string found on the host while the next loop already runs: that sequence's extra
+    tokens are dropped, its blocks are freed after the loop, and the mirror stays exact."""
+    path = hf_checkpoints["llama_gqa"]
+    sync = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
+    text = sync.generate(["The quick"], SamplingParams(temperature=0, max_tokens=24,
+                                                       ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].text
+    stop = text[6:8]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    expected = sync.generate(["The quick", "Hello, world"], params, use_tqdm=False)
+    eng = engine(path, 2, num_kv_blocks=64, async_scheduling=True)
+    eng.add_request("stop", "The quick", params[0])
+    eng.add_request("free", "Hello, world", params[1])
+    eng.add_request("abort", "Hello, jpaged", params[1])
+    outputs, steps = {}, 0
+    while eng.has_unfinished():
+        for output in eng.step():
+            if output.finished:
+                outputs[output.request_id] = output
+        steps += 1
+        if steps == 4:
+            assert eng.pipeline.in_flight is not None  # the abort lands mid-pipeline
+            assert eng.abort("abort")
+        if eng.pipeline.in_flight is None:
+            assert_mirror_matches_device(eng)
+    assert outputs["stop"].outputs[0].text == expected[0].outputs[0].text
+    assert outputs["stop"].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert outputs["free"].outputs[0].token_ids == expected[1].outputs[0].token_ids
+    assert "abort" not in outputs
+    assert eng.mirror.num_free == 63
+    assert_mirror_matches_device(eng)
+
+
+def test_async_pool_running_dry_and_forks(hf_checkpoints):
+    path = hf_checkpoints["llama_gqa"]
+    prompts = prompts_of([20, 18, 25, 9], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = LLM(path, num_kv_blocks=96, max_model_len=128, max_num_seqs=8).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    small = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8,
+                num_scheduler_steps=8, async_scheduling=True)
+    got = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert small.stats()["num_preemptions"] > 0
+    assert_mirror_matches_device(small.engine)
+    fork_params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    prompt = prompts_of([21], seed=3)[0]
+    one = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=8).generate(
+        prompt_token_ids=[prompt], sampling_params=fork_params, use_tqdm=False)[0]
+    many = small.generate(prompt_token_ids=[prompt], sampling_params=fork_params,
+                          use_tqdm=False)[0]
+    assert [c.token_ids for c in many.outputs] == [c.token_ids for c in one.outputs]
+    assert_mirror_matches_device(small.engine)
