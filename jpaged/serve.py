@@ -227,8 +227,8 @@ async def _unless_disconnected(request: Request, work):
 # ---- entry point --------------------------------------------------------------------------------
 def banner(host: str, port: int, model_name: str) -> str:
     url = f"http://{host}:{port}"
-    body = json.dumps({"model": model_name, "prompt": "def main(", "max_tokens": 64,
-                       "temperature": 0})
+    body = json.dumps({"model": model_name, "prompt": "import os\n\n\ndef ", "max_tokens": 64,
+                       "temperature": 0.7})
     return (f"jpaged: serving {model_name} at {url}  (OpenAI API under {url}/v1)\n"
             f"  try:  curl {url}/v1/completions -H 'Content-Type: application/json' "
             f"-d '{body}'\n"

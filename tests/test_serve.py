@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from jpaged.engine_config import default_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small settings keep the number of compiled shapes (and so the test time) down.
-ENGINE_FLAGS = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256)
+ENGINE_FLAGS = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256)
 PROMPTS = ["def main(", "import os\nimport sys\n\n", "class Config:\n    def "]
 GREEDY = dict(temperature=0, max_tokens=24)
 
@@ -79,6 +80,10 @@ def server(tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail("server did not become healthy within 90 s")
             time.sleep(0.2)
+        # Compile the server's step shapes (with and without logprobs) while this process
+        # builds its own engine, so the two compile on the machine's cores in parallel.
+        warm = threading.Thread(target=_warm_up, args=(url,), daemon=True)
+        warm.start()
         yield url, log_path
     finally:
         process.terminate()
@@ -88,6 +93,12 @@ def server(tmp_path_factory):
             process.kill()
             process.wait()
         log.close()
+
+
+def _warm_up(url: str):
+    for extra in ({}, {"logprobs": 1, "n": 2}):
+        httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"prompt": "x", "max_tokens": 3, "ignore_eos": True, **extra})
 
 
 @pytest.fixture(scope="module")

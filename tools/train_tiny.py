@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import sysconfig
 import time
@@ -61,8 +62,11 @@ class TrainConfig:
 def stdlib_sources(root: Path | None = None) -> list[Path]:
     """The standard library's .py files (tests and site-packages left out), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
-    return sorted(p for p in root.rglob("*.py")
-                  if not _SKIPPED_DIRS & set(p.relative_to(root).parts[:-1]))
+    sources = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in _SKIPPED_DIRS]
+        sources.extend(Path(folder) / name for name in files if name.endswith(".py"))
+    return sorted(sources)
 
 
 def load_corpus(max_bytes: int | None = None) -> np.ndarray:
