@@ -81,14 +81,15 @@ def test_device_state_after_loops_equals_single_steps(hf_checkpoints):
     assert eng.num_steps < sum(p.max_tokens for p in params) // 4  # loops really ran K steps
 
 
-def test_pool_running_dry_mid_loop_stops_cleanly_and_preempts(hf_checkpoints):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pool_running_dry_mid_loop_stops_cleanly_and_preempts(hf_checkpoints, async_scheduling):
     path = hf_checkpoints["llama_gqa"]
     prompts = prompts_of([20, 18, 25, 9], seed=2)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = LLM(path, num_kv_blocks=96, max_model_len=128, max_num_seqs=8).generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     small = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8,
-                num_scheduler_steps=16)
+                num_scheduler_steps=16, async_scheduling=async_scheduling)
     got = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert small.stats()["num_preemptions"] > 0
@@ -125,14 +126,15 @@ def test_stops_inside_the_loop(hf_checkpoints):
     assert_mirror_matches_device(llm.engine)
 
 
-def test_parallel_samples_fork_then_loop(hf_checkpoints):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_parallel_samples_fork_then_loop(hf_checkpoints, async_scheduling):
     path = hf_checkpoints["llama_gqa"]
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
     prompt = prompts_of([21], seed=3)[0]
     one = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=8).generate(
         prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
     multi = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=8,
-                num_scheduler_steps=8)
+                num_scheduler_steps=8, async_scheduling=async_scheduling)
     many = multi.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
     assert [c.token_ids for c in many.outputs] == [c.token_ids for c in one.outputs]
     assert_mirror_matches_device(multi.engine)
@@ -237,25 +239,3 @@ def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints)
     assert "abort" not in outputs
     assert eng.mirror.num_free == 63
     assert_mirror_matches_device(eng)
-
-
-def test_async_pool_running_dry_and_forks(hf_checkpoints):
-    path = hf_checkpoints["llama_gqa"]
-    prompts = prompts_of([20, 18, 25, 9], seed=2)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = LLM(path, num_kv_blocks=96, max_model_len=128, max_num_seqs=8).generate(
-        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    small = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8,
-                num_scheduler_steps=8, async_scheduling=True)
-    got = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
-    assert small.stats()["num_preemptions"] > 0
-    assert_mirror_matches_device(small.engine)
-    fork_params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
-    prompt = prompts_of([21], seed=3)[0]
-    one = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=8).generate(
-        prompt_token_ids=[prompt], sampling_params=fork_params, use_tqdm=False)[0]
-    many = small.generate(prompt_token_ids=[prompt], sampling_params=fork_params,
-                          use_tqdm=False)[0]
-    assert [c.token_ids for c in many.outputs] == [c.token_ids for c in one.outputs]
-    assert_mirror_matches_device(small.engine)
