@@ -110,10 +110,11 @@ class RequestGroup:
 
 class _Tracked:
     """Timing of one in-flight request, for the TTFT / TPOT / end-to-end histograms."""
-    __slots__ = ("sink", "arrival", "last_output")
+    __slots__ = ("sink", "arrival", "last_output", "num_tokens")
 
     def __init__(self, sink: OutputSink, arrival: float):
         self.sink, self.arrival, self.last_output = sink, arrival, None
+        self.num_tokens = 0  # output tokens of the longest sequence at the last output
 
 
 class AsyncEngine:
@@ -183,8 +184,13 @@ class AsyncEngine:
         _, sink, request_id, params, prompt_token_ids, arrival = command
         try:
             self.engine.add_request(request_id, params=params, prompt_token_ids=prompt_token_ids)
-        except ValueError as err:
+        except ValueError as err:  # bad input: the caller's 400
             sink.put(("error", request_id, err))
+            return
+        except Exception as err:  # an engine bug this request hit: fail it alone
+            logger.exception("add_request failed for %s", request_id)
+            self._abort_quietly(request_id)
+            sink.put(("error", request_id, EngineError(f"engine error: {err}")))
             return
         self._tracked[request_id] = _Tracked(sink, arrival)
         self._num_prompt_tokens += len(prompt_token_ids)
@@ -198,22 +204,32 @@ class AsyncEngine:
             self._fail_all(EngineError(f"engine error: {err}"))
             return
         now = time.monotonic()
+        deliveries = []
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:  # aborted after this step was scheduled
                 continue
             self.metrics.observe_progress(tracked, output, now)
-            tracked.last_output = now
-            tracked.sink.put(("output", output.request_id, output))
+            deliveries.append((tracked.sink, output))
             if output.finished:
                 del self._tracked[output.request_id]
                 self._num_finished += 1
+        self.snapshot = self._stats()  # before delivery: a caller that saw its request finish
+        for sink, output in deliveries:  # then sees the metrics without its blocks
+            sink.put(("output", output.request_id, output))
 
     def _fail_all(self, err: Exception):
         for request_id, tracked in list(self._tracked.items()):
-            self.engine.abort(request_id)
+            self._abort_quietly(request_id)
             tracked.sink.put(("error", request_id, err))
         self._tracked.clear()
+
+    def _abort_quietly(self, request_id: str):
+        """Abort after an engine error; a second error is logged, not allowed to stop the thread."""
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("abort of %s failed after an engine error", request_id)
 
     def _stats(self) -> dict:
         stats = self.engine.stats()
@@ -242,14 +258,20 @@ class ServingMetrics:
                               labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        for histogram in (self.ttft, self.tpot, self.e2e):  # exported (as zeros) from the start
+            histogram.labels(async_engine.model_name)
         self.registry.register(_SnapshotCollector(async_engine))
 
     def observe_progress(self, tracked: _Tracked, output, now: float):
         name = self._async_engine.model_name
+        num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
         if tracked.last_output is None:
             self.ttft.labels(name).observe(now - tracked.arrival)
-        else:  # one step adds one token to each live sequence
-            self.tpot.labels(name).observe(now - tracked.last_output)
+        elif num_tokens > tracked.num_tokens:  # a multi-step decode may bring several tokens
+            per_token = (now - tracked.last_output) / (num_tokens - tracked.num_tokens)
+            for _ in range(num_tokens - tracked.num_tokens):
+                self.tpot.labels(name).observe(per_token)
+        tracked.last_output, tracked.num_tokens = now, num_tokens
         if output.finished:
             self.e2e.labels(name).observe(now - tracked.arrival)
 

@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="seed for requests that give none")
     add("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
         help="auto: Pallas on GPU/TPU, the jnp reference on CPU")
+    add("--num-scheduler-steps", type=int, default=1,
+        help="decode steps run on the device per scheduler step (multi-step decoding)")
+    add("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+        help="start the next decode loop while the host processes the last one's tokens")
+    add("--compilation-cache-dir", default=None,
+        help="persist compiled steps here so a restart skips compiling (process-wide JAX cache)")
     add("--uvicorn-log-level", default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -89,7 +95,10 @@ def engine_options(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
+                attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+                num_scheduler_steps=args.num_scheduler_steps,
+                async_scheduling=args.async_scheduling,
+                compilation_cache_dir=args.compilation_cache_dir)
 
 
 def model_info(engine: LLMEngine, model_dir, name: str) -> api.ModelInfo:
@@ -128,6 +137,11 @@ def build_app(async_engine: AsyncEngine, model: api.ModelInfo) -> FastAPI:
     async def api_error(_request, err: api.APIError):
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(EngineError)
+    async def engine_error(_request, err: EngineError):
+        return JSONResponse(api.APIError(str(err), status=500, type="internal_server_error")
+                            .body(), status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, err: StarletteHTTPException):
         return JSONResponse(api.APIError(str(err.detail), status=err.status_code).body(),
@@ -157,8 +171,8 @@ def build_app(async_engine: AsyncEngine, model: api.ModelInfo) -> FastAPI:
 
     async def _generate(request: Request, parsed: api.ParsedRequest):
         builder = api.ReplyBuilder(parsed, model)
-        group = RequestGroup(async_engine, [f"{builder.id}-{i}" for i in range(len(parsed.prompts))],
-                             parsed.params, parsed.prompts)
+        request_ids = [f"{builder.id}-{i}" for i in range(len(parsed.prompts))]
+        group = RequestGroup(async_engine, request_ids, parsed.params, parsed.prompts)
         try:
             await group.accepted()
         except ValueError as err:
@@ -172,8 +186,6 @@ def build_app(async_engine: AsyncEngine, model: api.ModelInfo) -> FastAPI:
                                               media_type="text/event-stream")
         try:
             outputs = await _unless_disconnected(request, group.final_outputs())
-        except EngineError as err:
-            raise api.APIError(str(err), status=500, type="internal_server_error") from err
         finally:
             group.abort_unfinished()
         if outputs is None:

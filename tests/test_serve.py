@@ -33,7 +33,7 @@ GREEDY = dict(temperature=0, max_tokens=24)
 def _metrics(text: str) -> dict[str, float]:
     values = {}
     for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if match:
             values[match.group(1)] = float(match.group(2))
     return values
@@ -354,19 +354,19 @@ def test_stream_with_n_ends_every_choice(app_client):
     assert roles == [0, 1, 2]
 
 
-def test_engine_error_fails_that_request_and_the_next_one_works(app_client):
+@pytest.mark.parametrize("method", ["step", "add_request"])
+def test_engine_error_fails_that_request_and_the_next_one_works(app_client, method):
     engine = app_client.engine
-    original = engine.step
 
-    def failing_step():
-        engine.step = original
+    def fail_once(*args, **kwargs):
+        del engine.__dict__[method]  # the class's method is back for the next call
         raise RuntimeError("injected failure")
 
-    engine.step = failing_step
+    setattr(engine, method, fail_once)
     try:
         reply = app_client.post("/v1/completions", json=GOOD)
     finally:
-        engine.step = original
+        engine.__dict__.pop(method, None)
     assert reply.status_code == 500 and "injected failure" in reply.json()["error"]["message"]
     values = _metrics(app_client.get("/metrics").text)
     assert values["jpaged:num_kv_blocks_used"] == 0
@@ -387,6 +387,22 @@ def test_metrics_health_and_models(app_client):
     values = _metrics(text)
     assert values["vllm:num_requests_swapped"] == 0
     assert values["jpaged:num_kv_blocks_free"] == values["jpaged:num_kv_blocks_total"]
+
+
+def test_latency_histograms_count_first_and_later_tokens(app_client):
+    before = _metrics(app_client.get("/metrics").text)
+    reply = app_client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 6,
+                                                     "ignore_eos": True})
+    assert reply.json()["usage"]["completion_tokens"] == 6
+    after = _metrics(app_client.get("/metrics").text)
+
+    def delta(name):
+        return after[name] - before[name]
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:time_per_output_token_seconds_count") == 5
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:generation_tokens_total") == 6
+    assert delta("vllm:request_success_total") == 1
 
 
 # ---- flags and templates (no engine) ------------------------------------------------------------
@@ -415,11 +431,13 @@ def test_unsupported_flags_fail_at_startup_naming_the_flag(capsys, argv, flag):
 def test_flags_reach_the_engine_options():
     args = serve.parse_args(["--block-size", "8", "--num-kv-blocks", "99", "--max-num-seqs", "3",
                              "--max-model-len", "100", "--dtype", "bfloat16", "--seed", "5",
-                             "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5"])
+                             "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+                             "--num-scheduler-steps", "4", "--async-scheduling"])
     options = serve.engine_options(args)
     assert (options["block_size"], options["num_kv_blocks"], options["max_num_seqs"],
             options["max_model_len"], options["dtype"], options["seed"],
             options["gpu_memory_utilization"]) == (8, 99, 3, 100, "bfloat16", 5, 0.5)
+    assert (options["num_scheduler_steps"], options["async_scheduling"]) == (4, True)
     assert (args.host, args.model) == ("127.0.0.1", None)
 
 

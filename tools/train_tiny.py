@@ -1,4 +1,4 @@
-"""Train the built-in default model: a tiny byte-level Llama on the Python standard library's source.
+"""Train the built-in default model: a tiny byte-level Llama on the Python standard library.
 
 The model is `jpaged.models.llama.LlamaForCausalLM` itself, so the saved checkpoint is exactly what
 the engine loads. Training runs it densely (`dense_logits`: the same modules, with plain causal
