@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e .
+	$(PY) -m pip install -e '.[serve]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml

@@ -73,6 +73,8 @@ class Scheduler:
                 if request in self.running:
                     self.running.remove(request)
                     self._release(request.sequences)
+                    self.free_slots.extend(request.reserved_slots)  # the unforked samples'
+                    request.reserved_slots = []
                 else:
                     self.waiting.remove(request)
                 for seq in request.live_sequences:

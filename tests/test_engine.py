@@ -261,3 +261,15 @@ def test_engine_runs_each_kernel_backend(hf_checkpoints, backend):
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(path, tuple(prompt), 12)[:4]
+
+
+def test_abort_returns_reserved_sample_slots(hf_checkpoints):
+    """An n > 1 request aborted before its samples fork gives back every sequence slot."""
+    eng = engine_for(hf_checkpoints["llama_gqa"], max_num_seqs=4, max_num_batched_tokens=16)
+    eng.add_request("n3", prompt_token_ids=prompts_of([40])[0],
+                    params=SamplingParams(n=3, max_tokens=4))
+    eng.step()  # first 16-token chunk of the prompt: 3 slots taken, 2 of them reserved
+    assert len(eng.scheduler.free_slots) == 1
+    assert eng.abort("n3")
+    assert len(eng.scheduler.free_slots) == 4
+    assert eng.mirror.num_free == eng.config.num_kv_blocks - 1
