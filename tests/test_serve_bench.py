@@ -1,0 +1,102 @@
+"""benchmarks/serve_bench.py against a real `python -m jpaged.serve` on a free loopback port."""
+
+import asyncio
+import math
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks import serve_bench
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_FLAGS = ["--block-size=16", "--max-num-seqs=4", "--max-num-batched-tokens=128",
+                "--max-model-len=256", "--uvicorn-log-level=warning"]
+
+
+@pytest.fixture(scope="module")
+def server_url(hf_checkpoints, tmp_path_factory):
+    """The tiny llama_gqa checkpoint served on 127.0.0.1 in a subprocess."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("serve_bench") / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "jpaged.serve", "--model", hf_checkpoints["llama_gqa"],
+             "--host", "127.0.0.1", f"--port={port}", *SERVER_FLAGS],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(process, url, log_path)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_healthy(process, url: str, log_path: Path, timeout: float = 90):
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"server exited early:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"server did not become healthy within {timeout} s")
+        time.sleep(0.2)
+
+
+def test_bench_completes_every_request_with_ordered_percentiles(server_url, tmp_path):
+    argv = ["--base-url", server_url, "--request-rate", "20", "--num-requests", "8",
+            "--input-mean", "16", "--output-mean", "8", "--max-input-len", "48",
+            "--max-output-len", "12", "--timeout", "60", "--out", str(tmp_path / "t.md"),
+            "--plot", str(tmp_path / "p.png")]
+    args = serve_bench.parse_args(argv)
+    (row,) = asyncio.run(serve_bench.benchmark(args))
+    assert args.model  # fetched from /v1/models
+    assert (row["completed"], row["failed"]) == (8, 0), row["errors"]
+    assert row["output_tokens_per_s"] > 0 and row["request_throughput"] > 0
+    for metric in ("ttft", "tpot", "e2e"):
+        p50, p90, p99 = (row[f"{metric}_p{q}"] for q in serve_bench.PERCENTILES)
+        assert not math.isnan(p50) and 0 < p50 <= p90 <= p99, metric
+    assert row["ttft_p99"] <= row["e2e_p99"]
+    # the whole entry point: table and plot files
+    assert serve_bench.main(argv) == 0
+    text = (tmp_path / "t.md").read_text()
+    assert server_url in text and "| 20 | 8 | 0 |" in text
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_output_tokens_come_from_usage(server_url):
+    """ignore_eos and max_tokens hold, so the usage count is exactly the requested length."""
+    async def one():
+        async with httpx.AsyncClient(base_url=server_url, timeout=60) as http:
+            model = await serve_bench.fetch_model(http)
+            body = serve_bench.request_body(model, [5, 6, 7], 9)
+            return await serve_bench.send(http, body, 60)
+
+    result = asyncio.run(one())
+    assert result.ok, result.error
+    assert result.output_tokens == 9 and result.tpot > 0
+
+
+def test_rates_parse_and_lengths_do_not_depend_on_rate():
+    assert serve_bench.parse_rates("1,2.5,inf") == [1.0, 2.5, math.inf]
+    args = serve_bench.parse_args(["--num-requests", "5", "--max-output-len", "7"])
+    args.model = "m"
+    slow, burst = serve_bench.build_requests(args, 1.0), serve_bench.build_requests(args, math.inf)
+    assert [b for _, b in slow] == [b for _, b in burst]
+    assert all(t == 0 for t, _ in burst) and all(b["max_tokens"] <= 7 for _, b in slow)
+    assert [t for t, _ in slow] == sorted(t for t, _ in slow) and slow[-1][0] > 0
