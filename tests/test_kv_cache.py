@@ -8,7 +8,7 @@ from jpaged import kv_cache
 
 
 def numbered_cache(num_layers=2, kv_heads=2, blocks=6, size=4, dim=3):
-    cache = kv_cache.init_cache(num_layers, kv_heads, blocks, size, dim, jnp.float32)
+    """Every element distinct (negated for values, offset by 1000 per layer)."""
     values = jnp.arange(kv_heads * blocks * size * dim, dtype=jnp.float32).reshape(
         kv_heads, blocks, size, dim)
     return kv_cache.KVCache(tuple(values + 1000 * l for l in range(num_layers)),

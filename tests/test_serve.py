@@ -6,9 +6,6 @@ import asyncio
 import json
 import random
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +19,7 @@ from jpaged import openai_api as api
 from jpaged import serve
 from jpaged.async_engine import AsyncEngine
 from jpaged.engine_config import default_model_dir
+from tests.server_process import running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small settings keep the number of compiled shapes (and so the test time) down.
@@ -56,43 +54,14 @@ def _wait_idle(get_metrics, timeout: float = 10.0) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`python -m jpaged.serve` (the built-in model) on a free 127.0.0.1 port: (URL, log path)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE_FLAGS.items()]
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "jpaged.serve", "--host", "127.0.0.1", f"--port={port}",
-         "--uvicorn-log-level=warning", *flags],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"server exited early:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not become healthy within 90 s")
-            time.sleep(0.2)
+    with running_server([*flags, "--uvicorn-log-level=warning"], log_path) as url:
         # Compile the server's step shapes (with and without logprobs) while this process
         # builds its own engine, so the two compile on the machine's cores in parallel.
         warm = threading.Thread(target=_warm_up, args=(url,), daemon=True)
         warm.start()
         yield url, log_path
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def _warm_up(url: str):

@@ -2,18 +2,13 @@
 
 import asyncio
 import math
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from benchmarks import serve_bench
+from tests.server_process import running_server
 
-ROOT = Path(__file__).resolve().parent.parent
 SERVER_FLAGS = ["--block-size=16", "--max-num-seqs=4", "--max-num-batched-tokens=128",
                 "--max-model-len=256", "--uvicorn-log-level=warning"]
 
@@ -21,41 +16,10 @@ SERVER_FLAGS = ["--block-size=16", "--max-num-seqs=4", "--max-num-batched-tokens
 @pytest.fixture(scope="module")
 def server_url(hf_checkpoints, tmp_path_factory):
     """The tiny llama_gqa checkpoint served on 127.0.0.1 in a subprocess."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     log_path = tmp_path_factory.mktemp("serve_bench") / "server.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "jpaged.serve", "--model", hf_checkpoints["llama_gqa"],
-             "--host", "127.0.0.1", f"--port={port}", *SERVER_FLAGS],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(process, url, log_path)
+    with running_server(["--model", hf_checkpoints["llama_gqa"], *SERVER_FLAGS],
+                        log_path) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_healthy(process, url: str, log_path: Path, timeout: float = 90):
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"server exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"server did not become healthy within {timeout} s")
-        time.sleep(0.2)
 
 
 def test_bench_completes_every_request_with_ordered_percentiles(server_url, tmp_path):
