@@ -78,8 +78,8 @@ def resolve_engine_config(model=None, *, dtype="auto", **options):
 def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9,
                         max_num_seqs=256, max_model_len=None, max_num_batched_tokens=None, seed=0,
                         attention_backend="auto", kv_cache_dtype="auto",
-                        num_scheduler_steps=1, async_scheduling=False, warmup=None, strict_compilation=False,
-                        compilation_cache_dir=None) -> EngineConfig:
+                        num_scheduler_steps=1, async_scheduling=False, warmup=None,
+                        strict_compilation=False, compilation_cache_dir=None) -> EngineConfig:
     """Engine settings for a model already in memory (its weights count against the budget).
 
     warmup None means: compile all shapes at start-up on an accelerator, lazily on the CPU.

@@ -102,7 +102,8 @@ def _plan(state: BlockManagerState, seq_ids, num_tokens):
     last_block = state.block_tables[sid, last_idx]
     writes_shared = active & (count > 0) & (old_len % size != 0)
     # Rows sharing one partial block copy in batch order while another holder remains, exactly as
-    # if appended one by one: with r holders, the first r - 1 writers copy, the last writes in place.
+    # if appended one by one: with r holders, the first r - 1 writers copy, the last writes in
+    # place.
     earlier = jnp.tril(jnp.ones((seq_ids.shape[0],) * 2, bool), -1)
     same_block = (last_block[:, None] == last_block[None]) & writes_shared[None] & earlier
     rank = jnp.sum(same_block, axis=1)

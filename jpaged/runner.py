@@ -1,11 +1,9 @@
-"""The model runner: the one jit-compiled step, its shape buckets, and the device-side state.
+"""The model runner: the device-side state, shape buckets, input building, dispatch, warm-up.
 
-The runner owns the device state (block-manager pytree, KV cache, model parameters). One step
-takes one host-to-device transfer of a `StepInputs` pytree and returns one device-to-host
-transfer of the sampled tokens. Inside the jitted step, in order: the block manager appends this
-step's tokens (popping blocks, copy-on-write), the cache applies the copies, the model writes and
-attends through the block tables, logits are taken at the sampled rows only, and the sampler draws.
-The step DONATES the block-manager state and the KV cache, so XLA updates both in place; the
+The runner owns the device state (block-manager pytree, KV cache, model parameters) and calls the
+jitted programs of `device_step.py`. One step takes one host-to-device transfer of a `StepInputs`
+pytree and returns one device-to-host transfer of the sampled tokens; a decode loop likewise. The
+programs DONATE the block-manager state and the KV cache, so XLA updates both in place; the
 runner's references to the old buffers are replaced by the returned ones on every call.
 
 Shapes are padded to buckets (powers of two between a floor and a cap) so the number of
@@ -17,69 +15,13 @@ import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jpaged import kv_cache, memory
-from jpaged.models.attention import AttentionMetadata
-from jpaged.sampling import MAX_LOGPROBS, SamplingTensors, sample
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepInputs:
-    """Everything the host sends for one step (padded to buckets).
-
-    token_ids: [T] int32, the tokens of all rows back to back (padding: 0).
-    seq_ids: [B] int32 block-manager rows (-1: padded row); query_lens: [B] int32 tokens per row.
-    logits_indices: [R] int32 token index whose logits each sampled row uses.
-    sampling: SamplingTensors with [R] leaves.
-    """
-    token_ids: jax.Array
-    seq_ids: jax.Array
-    query_lens: jax.Array
-    logits_indices: jax.Array
-    sampling: SamplingTensors
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeInputs:
-    """The host's part of a multi-step decode (padded to a batch bucket B).
-
-    token_ids: [B] int32, each row's newest token (not yet in the cache).
-    seq_ids: [B] int32 block-manager rows (-1: padded row).
-    sampling: SamplingTensors with [B] leaves; positions are those of the first sampled token.
-    remaining: [B] int32, tokens each row may still generate (max_tokens minus those it has).
-    stop_ids: [B, W] int32 token ids that end each row (EOS unless ignored, stop_token_ids); -1 pads.
-    num_steps: [] int32, iterations wanted (<= the static cap).
-    """
-    token_ids: jax.Array
-    seq_ids: jax.Array
-    sampling: SamplingTensors
-    remaining: jax.Array
-    stop_ids: jax.Array
-    num_steps: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeResult:
-    """What a multi-step decode hands back in one transfer.
-
-    token_ids, logprobs: [K, B]; top_ids, top_logprobs: [K, B, L]: iteration i's samples.
-    done_at: [B] int32, the iteration at which a row finished on the device (its blocks are
-    already free), -1 if it did not. num_done: [] int32 iterations run. out_of_blocks: [] bool,
-    the loop stopped early because the pool could not serve the next iteration.
-    """
-    token_ids: jax.Array
-    logprobs: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
-    done_at: jax.Array
-    num_done: jax.Array
-    out_of_blocks: jax.Array
+from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, decode_loop,
+                                fork_program, free_program, next_inputs, step_program)
+from jpaged.sampling import MAX_LOGPROBS, SamplingTensors
 
 
 @dataclasses.dataclass
@@ -133,11 +75,11 @@ class ModelRunner:
             if kind == "free":
                 ids = np.full(size, -1, np.int32)
                 ids[:len(items)] = items
-                self._timed(("free", size), _free, self.manager, ids)
+                self._timed(("free", size), free_program, self.manager, ids)
             else:
                 pairs = np.full((size, 2), -1, np.int32)
                 pairs[:len(items)] = items
-                self._timed(("fork", size), _fork, self.manager, pairs[:, 0], pairs[:, 1])
+                self._timed(("fork", size), fork_program, self.manager, pairs[:, 0], pairs[:, 1])
 
     def _timed(self, key, fn, *args, **kwargs):
         is_new = key not in self.compiled_shapes
@@ -170,7 +112,7 @@ class ModelRunner:
         start = time.perf_counter()
         device_inputs = jax.device_put(inputs)
         self.manager, self.cache, out, ok = self._timed(
-            key, _step, self.params, self.manager, self.cache, device_inputs,
+            key, step_program, self.params, self.manager, self.cache, device_inputs,
             graphdef=self.graphdef, is_decode=is_decode, num_logprobs=logprob_bucket,
             backend=self.attention_backend, interpret=self.interpret)
         out, ok = jax.device_get((out, ok))
@@ -192,7 +134,7 @@ class ModelRunner:
 
     def launch_decode(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
                       max_steps: int, max_model_len: int, num_logprobs: int) -> "LaunchedLoop":
-        """Dispatch a decode loop (see `_decode_loop_impl`) without waiting for it.
+        """Dispatch a decode loop (see `decode_loop_impl`) without waiting for it.
 
         rows: [(seq_id, last_token)], one sampled row each, in order; remaining: [int];
         stop_ids: [[int]] per row.
@@ -220,7 +162,7 @@ class ModelRunner:
         keep_arr = np.zeros(previous.inputs.seq_ids.shape[0], bool)
         keep_arr[:len(keep)] = keep
         inputs = self._timed(("next", keep_arr.shape[0], previous.inputs.stop_ids.shape[1]),
-                             _next_inputs, previous.inputs, previous.result,
+                             next_inputs, previous.inputs, previous.result,
                              jax.device_put(keep_arr), np.int32(num_steps))
         return self._launch(inputs, previous.static, previous.num_rows)
 
@@ -230,7 +172,7 @@ class ModelRunner:
                static["num_logprobs"])
         start = time.perf_counter()
         self.manager, self.cache, result = self._timed(
-            key, _decode_loop, self.params, self.manager, self.cache, device_inputs,
+            key, decode_loop, self.params, self.manager, self.cache, device_inputs,
             graphdef=self.graphdef, backend=self.attention_backend, interpret=self.interpret,
             **static)
         return LaunchedLoop(device_inputs, result, static, num_rows, start)
@@ -317,130 +259,3 @@ class ModelRunner:
     @functools.cached_property
     def num_blocks(self) -> int:
         return self.manager.num_blocks
-
-
-def _step_impl(params, manager, cache, inputs: StepInputs, *, graphdef, is_decode, num_logprobs,
-               backend, interpret):
-    """The step body (see the module docstring). Static: graphdef, is_decode, num_logprobs,
-    backend, interpret; everything else is traced."""
-    model = nnx.merge(graphdef, params)
-    num_tokens, batch = inputs.token_ids.shape[0], inputs.seq_ids.shape[0]
-    active = inputs.seq_ids >= 0
-    seq_rows = jnp.maximum(inputs.seq_ids, 0)
-    old_lens = jnp.where(active, manager.seq_lens[seq_rows], 0)
-    max_tokens = 1 if is_decode else num_tokens
-    manager, appended = memory.append_tokens(manager, inputs.seq_ids, inputs.query_lens,
-                                             max_tokens=max_tokens)
-    query_start_loc = jnp.concatenate(
-        [jnp.zeros(1, jnp.int32), jnp.cumsum(inputs.query_lens, dtype=jnp.int32)])
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    row = jnp.clip(jnp.searchsorted(query_start_loc[1:], token, side="right"), 0, batch - 1)
-    offset = token - query_start_loc[row]
-    is_real = token < query_start_loc[-1]
-    positions = jnp.where(is_real, old_lens[row] + offset, 0)
-    slot_mapping = jnp.where(
-        is_real, appended.slot_mapping[row, jnp.clip(offset, 0, max_tokens - 1)],
-        kv_cache.PAD_SLOT)
-    metadata = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        block_tables=manager.block_tables[seq_rows],
-        context_lens=jnp.where(active, manager.seq_lens[seq_rows], 0),
-        query_start_loc=query_start_loc, is_decode=is_decode,
-        backend=backend, interpret=interpret)
-    # Copy-on-write is rare (first write after a fork): skip the gather when nothing copies.
-    cache = jax.lax.cond(jnp.any(appended.copies[:, 1] >= 0), kv_cache.copy_blocks,
-                         lambda unchanged, _: unchanged, cache, appended.copies)
-    hidden, cache = model(inputs.token_ids, positions, cache, metadata)
-    logits = model.compute_logits(hidden[inputs.logits_indices])
-    out = sample(logits, inputs.sampling, num_logprobs=num_logprobs)
-    return manager, cache, out, appended.ok
-
-
-def _decode_loop_impl(params, manager, cache, inputs: DecodeInputs, *, graphdef, max_steps,
-                      max_model_len, num_logprobs, backend, interpret):
-    """Up to inputs.num_steps decode iterations for the whole batch in one `lax.while_loop`.
-
-    Each iteration appends every live row's newest token on the device block manager (a fresh
-    block when a row crosses a block boundary, copy-on-write when its last block is shared), runs
-    the model, samples, and retires rows that produced a stop id or used up their `remaining`
-    tokens or max_model_len: their blocks are freed inside the loop. The loop stops when the
-    iterations are done, every row has finished, or the pool cannot serve the next iteration
-    (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is exactly
-    (append live rows, free rows done at i), which `HostBlockMirror` repeats.
-    """
-    model = nnx.merge(graphdef, params)
-    batch = inputs.seq_ids.shape[0]
-    top_width = num_logprobs
-    ones = jnp.ones(batch, jnp.int32)
-
-    def live_ids(active):
-        return jnp.where(active, inputs.seq_ids, -1)
-
-    def cond(carry):
-        step, manager, _, active = carry[0], carry[1], carry[2], carry[4]
-        return ((step < jnp.minimum(inputs.num_steps, max_steps)) & jnp.any(active)
-                & memory.can_append(manager, live_ids(active), ones))
-
-    def body(carry):
-        step, manager, cache, tokens, active, outputs, done_at = carry
-        seq_ids = live_ids(active)
-        manager, appended = memory.append_tokens(manager, seq_ids, ones, max_tokens=1)
-        seq_rows = jnp.maximum(seq_ids, 0)
-        context_lens = jnp.where(active, manager.seq_lens[seq_rows], 0)
-        metadata = AttentionMetadata(
-            slot_mapping=appended.slot_mapping[:, 0], block_tables=manager.block_tables[seq_rows],
-            context_lens=context_lens,
-            query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32), is_decode=True,
-            backend=backend, interpret=interpret)
-        cache = jax.lax.cond(jnp.any(appended.copies[:, 1] >= 0), kv_cache.copy_blocks,
-                             lambda unchanged, _: unchanged, cache, appended.copies)
-        hidden, cache = model(tokens, jnp.maximum(context_lens - 1, 0), cache, metadata)
-        sampling = dataclasses.replace(inputs.sampling,
-                                       positions=inputs.sampling.positions + step)
-        out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs)
-        is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
-        finished = active & (is_stop | (step + 1 >= inputs.remaining)
-                             | (context_lens + 1 >= max_model_len))
-        manager = jax.lax.cond(jnp.any(finished), memory.free_seqs,
-                               lambda unchanged, _: unchanged, manager,
-                               jnp.where(finished, inputs.seq_ids, -1))
-        outputs = tuple(buffer.at[step].set(value) for buffer, value in zip(
-            outputs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
-        return (step + 1, manager, cache, out.token_ids, active & ~finished, outputs,
-                jnp.where(finished, step, done_at))
-
-    outputs = (jnp.zeros((max_steps, batch), jnp.int32), jnp.zeros((max_steps, batch)),
-               jnp.zeros((max_steps, batch, top_width), jnp.int32),
-               jnp.zeros((max_steps, batch, top_width)))
-    carry = (jnp.int32(0), manager, cache, inputs.token_ids, inputs.seq_ids >= 0, outputs,
-             jnp.full(batch, -1, jnp.int32))
-    step, manager, cache, _, active, outputs, done_at = jax.lax.while_loop(cond, body, carry)
-    out_of_blocks = ((step < jnp.minimum(inputs.num_steps, max_steps)) & jnp.any(active)
-                     & ~memory.can_append(manager, live_ids(active), ones))
-    result = DecodeResult(*outputs, done_at=done_at, num_done=step, out_of_blocks=out_of_blocks)
-    return manager, cache, result
-
-
-def _next_inputs_impl(inputs: DecodeInputs, result: DecodeResult, keep, num_steps):
-    """The inputs of the loop that continues `result`: each live row's last sampled token, its
-    positions and remaining budget advanced by the iterations run."""
-    ran = result.num_done
-    last = result.token_ids[jnp.maximum(ran - 1, 0)]
-    alive = (inputs.seq_ids >= 0) & (result.done_at < 0) & keep
-    return DecodeInputs(
-        token_ids=jnp.where(ran > 0, last, inputs.token_ids),
-        seq_ids=jnp.where(alive, inputs.seq_ids, -1),
-        sampling=dataclasses.replace(inputs.sampling, positions=inputs.sampling.positions + ran),
-        remaining=inputs.remaining - ran, stop_ids=inputs.stop_ids, num_steps=num_steps)
-
-
-# Module-level, so engines with the same model and shapes share compiled executables.
-# Donated: argument 1 (block-manager state) and 2 (KV cache) are updated in place.
-_step = jax.jit(_step_impl, static_argnames=("graphdef", "is_decode", "num_logprobs", "backend",
-                                             "interpret"), donate_argnums=(1, 2))
-_decode_loop = jax.jit(_decode_loop_impl, static_argnames=(
-    "graphdef", "max_steps", "max_model_len", "num_logprobs", "backend", "interpret"),
-    donate_argnums=(1, 2))
-_next_inputs = jax.jit(_next_inputs_impl)
-_free = jax.jit(memory.free_seqs, donate_argnums=0)
-_fork = jax.jit(memory.fork_seqs, donate_argnums=0)

@@ -189,7 +189,8 @@ class Scheduler:
                 index += 1
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
-            needed_slots = request.params.n if not request.is_forked else len(request.live_sequences)
+            needed_slots = (request.params.n if not request.is_forked
+                            else len(request.live_sequences))
             if len(self.free_slots) < needed_slots:
                 break
             new_rows = self._rows_for(request, budget)

@@ -109,7 +109,8 @@ def _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token
     weights = jnp.exp(scores - row_max)
     weights = jnp.where(visible[:, None, None, :], weights, 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("tkgc,tkcd->tkgd", weights, v_tok, precision=_EXACT) / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("tkgc,tkcd->tkgd", weights, v_tok, precision=_EXACT)
+    out = out / jnp.where(denom > 0, denom, 1.0)
     return out.reshape(num_tokens, num_heads, head_dim)
 
 

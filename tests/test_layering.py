@@ -7,7 +7,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"config", "memory", "block_mirror", "kv_cache", "sampling", "detokenizer", "request",
         "scheduler", "prefix_cache", "compat"}
-ENGINE = {"runner", "engine", "llm", "serve", "main", "swap"}
+ENGINE = {"runner", "device_step", "decode_pipeline", "engine", "engine_config", "llm", "serve",
+          "main", "swap", "async_engine", "openai_api"}
 PALLAS_IMPORTERS = {"jpaged/kv_cache.py", "jpaged/models/attention.py"}
 
 

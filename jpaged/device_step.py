@@ -1,0 +1,200 @@
+"""The jitted device programs: one step of any mix, the multi-step decode loop, and the
+continuation of a loop from its own results. Everything here runs on the device; `runner.py`
+builds the inputs, picks the shapes and dispatches.
+
+Both programs DONATE the block-manager state (argument 1) and the KV cache (argument 2): XLA
+updates them in place, and callers must replace their references with the returned ones.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jpaged import kv_cache, memory
+from jpaged.models.attention import AttentionMetadata
+from jpaged.sampling import SamplingTensors, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Everything the host sends for one step (padded to buckets).
+
+    token_ids: [T] int32, the tokens of all rows back to back (padding: 0).
+    seq_ids: [B] int32 block-manager rows (-1: padded row); query_lens: [B] int32 tokens per row.
+    logits_indices: [R] int32 token index whose logits each sampled row uses.
+    sampling: SamplingTensors with [R] leaves.
+    """
+    token_ids: jax.Array
+    seq_ids: jax.Array
+    query_lens: jax.Array
+    logits_indices: jax.Array
+    sampling: SamplingTensors
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """The host's part of a multi-step decode (padded to a batch bucket B).
+
+    token_ids: [B] int32, each row's newest token (not yet in the cache).
+    seq_ids: [B] int32 block-manager rows (-1: padded row).
+    sampling: SamplingTensors with [B] leaves; positions are those of the first sampled token.
+    remaining: [B] int32, tokens each row may still generate (max_tokens minus those it has).
+    stop_ids: [B, W] int32 token ids that end each row (EOS unless ignored, stop_token_ids);
+        -1 pads.
+    num_steps: [] int32, iterations wanted (<= the static cap).
+    """
+    token_ids: jax.Array
+    seq_ids: jax.Array
+    sampling: SamplingTensors
+    remaining: jax.Array
+    stop_ids: jax.Array
+    num_steps: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+    """What a multi-step decode hands back in one transfer.
+
+    token_ids, logprobs: [K, B]; top_ids, top_logprobs: [K, B, L]: iteration i's samples.
+    done_at: [B] int32, the iteration at which a row finished on the device (its blocks are
+    already free), -1 if it did not. num_done: [] int32 iterations run. out_of_blocks: [] bool,
+    the loop stopped early because the pool could not serve the next iteration.
+    """
+    token_ids: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    done_at: jax.Array
+    num_done: jax.Array
+    out_of_blocks: jax.Array
+
+
+def step_impl(params, manager, cache, inputs: StepInputs, *, graphdef, is_decode, num_logprobs,
+               backend, interpret):
+    """The step body (see the module docstring). Static: graphdef, is_decode, num_logprobs,
+    backend, interpret; everything else is traced."""
+    model = nnx.merge(graphdef, params)
+    num_tokens, batch = inputs.token_ids.shape[0], inputs.seq_ids.shape[0]
+    active = inputs.seq_ids >= 0
+    seq_rows = jnp.maximum(inputs.seq_ids, 0)
+    old_lens = jnp.where(active, manager.seq_lens[seq_rows], 0)
+    max_tokens = 1 if is_decode else num_tokens
+    manager, appended = memory.append_tokens(manager, inputs.seq_ids, inputs.query_lens,
+                                             max_tokens=max_tokens)
+    query_start_loc = jnp.concatenate(
+        [jnp.zeros(1, jnp.int32), jnp.cumsum(inputs.query_lens, dtype=jnp.int32)])
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(query_start_loc[1:], token, side="right"), 0, batch - 1)
+    offset = token - query_start_loc[row]
+    is_real = token < query_start_loc[-1]
+    positions = jnp.where(is_real, old_lens[row] + offset, 0)
+    slot_mapping = jnp.where(
+        is_real, appended.slot_mapping[row, jnp.clip(offset, 0, max_tokens - 1)],
+        kv_cache.PAD_SLOT)
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=manager.block_tables[seq_rows],
+        context_lens=jnp.where(active, manager.seq_lens[seq_rows], 0),
+        query_start_loc=query_start_loc, is_decode=is_decode,
+        backend=backend, interpret=interpret)
+    # Copy-on-write is rare (first write after a fork): skip the gather when nothing copies.
+    cache = jax.lax.cond(jnp.any(appended.copies[:, 1] >= 0), kv_cache.copy_blocks,
+                         lambda unchanged, _: unchanged, cache, appended.copies)
+    hidden, cache = model(inputs.token_ids, positions, cache, metadata)
+    logits = model.compute_logits(hidden[inputs.logits_indices])
+    out = sample(logits, inputs.sampling, num_logprobs=num_logprobs)
+    return manager, cache, out, appended.ok
+
+
+def decode_loop_impl(params, manager, cache, inputs: DecodeInputs, *, graphdef, max_steps,
+                      max_model_len, num_logprobs, backend, interpret):
+    """Up to inputs.num_steps decode iterations for the whole batch in one `lax.while_loop`.
+
+    Each iteration appends every live row's newest token on the device block manager (a fresh
+    block when a row crosses a block boundary, copy-on-write when its last block is shared), runs
+    the model, samples, and retires rows that produced a stop id or used up their `remaining`
+    tokens or max_model_len: their blocks are freed inside the loop. The loop stops when the
+    iterations are done, every row has finished, or the pool cannot serve the next iteration
+    (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is exactly
+    (append live rows, free rows done at i), which `HostBlockMirror` repeats.
+    """
+    model = nnx.merge(graphdef, params)
+    batch = inputs.seq_ids.shape[0]
+    top_width = num_logprobs
+    ones = jnp.ones(batch, jnp.int32)
+
+    def live_ids(active):
+        return jnp.where(active, inputs.seq_ids, -1)
+
+    def cond(carry):
+        step, manager, _, active = carry[0], carry[1], carry[2], carry[4]
+        return ((step < jnp.minimum(inputs.num_steps, max_steps)) & jnp.any(active)
+                & memory.can_append(manager, live_ids(active), ones))
+
+    def body(carry):
+        step, manager, cache, tokens, active, outputs, done_at = carry
+        seq_ids = live_ids(active)
+        manager, appended = memory.append_tokens(manager, seq_ids, ones, max_tokens=1)
+        seq_rows = jnp.maximum(seq_ids, 0)
+        context_lens = jnp.where(active, manager.seq_lens[seq_rows], 0)
+        metadata = AttentionMetadata(
+            slot_mapping=appended.slot_mapping[:, 0], block_tables=manager.block_tables[seq_rows],
+            context_lens=context_lens,
+            query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32), is_decode=True,
+            backend=backend, interpret=interpret)
+        cache = jax.lax.cond(jnp.any(appended.copies[:, 1] >= 0), kv_cache.copy_blocks,
+                             lambda unchanged, _: unchanged, cache, appended.copies)
+        hidden, cache = model(tokens, jnp.maximum(context_lens - 1, 0), cache, metadata)
+        sampling = dataclasses.replace(inputs.sampling,
+                                       positions=inputs.sampling.positions + step)
+        out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs)
+        is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
+        finished = active & (is_stop | (step + 1 >= inputs.remaining)
+                             | (context_lens + 1 >= max_model_len))
+        manager = jax.lax.cond(jnp.any(finished), memory.free_seqs,
+                               lambda unchanged, _: unchanged, manager,
+                               jnp.where(finished, inputs.seq_ids, -1))
+        outputs = tuple(buffer.at[step].set(value) for buffer, value in zip(
+            outputs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
+        return (step + 1, manager, cache, out.token_ids, active & ~finished, outputs,
+                jnp.where(finished, step, done_at))
+
+    outputs = (jnp.zeros((max_steps, batch), jnp.int32), jnp.zeros((max_steps, batch)),
+               jnp.zeros((max_steps, batch, top_width), jnp.int32),
+               jnp.zeros((max_steps, batch, top_width)))
+    carry = (jnp.int32(0), manager, cache, inputs.token_ids, inputs.seq_ids >= 0, outputs,
+             jnp.full(batch, -1, jnp.int32))
+    step, manager, cache, _, active, outputs, done_at = jax.lax.while_loop(cond, body, carry)
+    out_of_blocks = ((step < jnp.minimum(inputs.num_steps, max_steps)) & jnp.any(active)
+                     & ~memory.can_append(manager, live_ids(active), ones))
+    result = DecodeResult(*outputs, done_at=done_at, num_done=step, out_of_blocks=out_of_blocks)
+    return manager, cache, result
+
+
+def next_inputs_impl(inputs: DecodeInputs, result: DecodeResult, keep, num_steps):
+    """The inputs of the loop that continues `result`: each live row's last sampled token, its
+    positions and remaining budget advanced by the iterations run."""
+    ran = result.num_done
+    last = result.token_ids[jnp.maximum(ran - 1, 0)]
+    alive = (inputs.seq_ids >= 0) & (result.done_at < 0) & keep
+    return DecodeInputs(
+        token_ids=jnp.where(ran > 0, last, inputs.token_ids),
+        seq_ids=jnp.where(alive, inputs.seq_ids, -1),
+        sampling=dataclasses.replace(inputs.sampling, positions=inputs.sampling.positions + ran),
+        remaining=inputs.remaining - ran, stop_ids=inputs.stop_ids, num_steps=num_steps)
+
+
+# Module-level, so engines with the same model and shapes share compiled executables.
+# Donated: argument 1 (block-manager state) and 2 (KV cache) are updated in place.
+step_program = jax.jit(step_impl, donate_argnums=(1, 2), static_argnames=(
+    "graphdef", "is_decode", "num_logprobs", "backend", "interpret"))
+decode_loop = jax.jit(decode_loop_impl, donate_argnums=(1, 2), static_argnames=(
+    "graphdef", "max_steps", "max_model_len", "num_logprobs", "backend", "interpret"))
+next_inputs = jax.jit(next_inputs_impl)
+free_program = jax.jit(memory.free_seqs, donate_argnums=0)
+fork_program = jax.jit(memory.fork_seqs, donate_argnums=0)
