@@ -64,6 +64,28 @@ class ChunkFetcher:
         return k_buffer[slot], v_buffer[slot]
 
 
+def fold_chunks(fetcher: ChunkFetcher, num_chunks, step, init):
+    """fori_loop over num_chunks chunks with chunk i+1's DMA in flight while chunk i is used.
+
+    step(chunk, keys [C, D], values [C, D], carry) -> carry.
+    """
+    @pl.when(num_chunks > 0)
+    def _():
+        fetcher.start(0, 0)
+
+    def body(chunk, carry):
+        slot = chunk % 2
+
+        @pl.when(chunk + 1 < num_chunks)
+        def _():
+            fetcher.start(chunk + 1, 1 - slot)
+
+        keys, values = fetcher.wait(chunk, slot)
+        return step(chunk, keys, values, carry)
+
+    return jax.lax.fori_loop(0, num_chunks, body, init)
+
+
 def zero_stale_rows(values, first_token, end_token):
     """Zero the rows of a [C, D] chunk whose token (first_token + row) is >= end_token.
 

@@ -42,18 +42,7 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_hbm, v_pag
     q = q_ref[...]
     group, head_dim = q.shape
 
-    @pl.when(num_chunks > 0)
-    def _():
-        fetcher.start(0, 0)
-
-    def chunk_step(chunk, state):
-        slot = chunk % 2
-
-        @pl.when(chunk + 1 < num_chunks)
-        def _():
-            fetcher.start(chunk + 1, 1 - slot)
-
-        keys, values = fetcher.wait(chunk, slot)                          # [C, D] each
+    def chunk_step(chunk, keys, values, state):                          # [C, D] each
         token = chunk * chunk_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, chunk_tokens), 1)
         is_cached = token < context_len                                   # [1, C]
         values = _dma.zero_stale_rows(values, chunk * chunk_tokens, context_len)
@@ -61,7 +50,8 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_hbm, v_pag
         visible = jnp.broadcast_to(is_cached, scores.shape)
         return softmax.update(state, scores, values, visible)
 
-    state = jax.lax.fori_loop(0, num_chunks, chunk_step, softmax.initial_state(group, head_dim))
+    state = _dma.fold_chunks(fetcher, num_chunks, chunk_step,
+                             softmax.initial_state(group, head_dim))
     o_ref[...] = softmax.finalize(state).astype(o_ref.dtype)
 
 

@@ -57,18 +57,7 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
             num_pages=pl.cdiv(kv_end, block_size))
         num_chunks = pl.cdiv(jnp.maximum(kv_end, 0), chunk_tokens)
 
-        @pl.when(num_chunks > 0)
-        def _():
-            fetcher.start(0, 0)
-
-        def chunk_step(chunk, carry):
-            slot = chunk % 2
-
-            @pl.when(chunk + 1 < num_chunks)
-            def _():
-                fetcher.start(chunk + 1, 1 - slot)
-
-            keys, values = fetcher.wait(chunk, slot)
+        def chunk_step(chunk, keys, values, carry):
             first_token = chunk * chunk_tokens
             token = first_token + jax.lax.broadcasted_iota(jnp.int32, (1, chunk_tokens), 1)
             visible = is_own_row & (token < kv_end) & (token <= position)  # [R, C]
@@ -78,7 +67,7 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
                              m_scratch, l_scratch, acc_scratch)
             return carry
 
-        return jax.lax.fori_loop(0, num_chunks, chunk_step, carry)
+        return _dma.fold_chunks(fetcher, num_chunks, chunk_step, carry)
 
     jax.lax.fori_loop(tile_seqs_ref[tile], tile_seqs_ref[num_tiles + tile] + 1,
                       attend_sequence, 0)
