@@ -65,13 +65,14 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent / "assets" / "default_model"
 
 
-def resolve_engine_config(model=None, *, dtype="auto", **options):
+def resolve_engine_config(model=None, *, dtype="auto", load_format="auto", **options):
     """Load the model (None: the built-in one) and tokenizer and size the engine.
 
-    Returns (model, tokenizer, EngineConfig); options are `build_engine_config`'s.
+    load_format is `load_model`'s ("auto": the weights in the directory). Returns (model,
+    tokenizer, EngineConfig); options are `build_engine_config`'s.
     """
     model_dir = default_model_dir() if model is None else Path(model)
-    llm_model, _ = load_model(model_dir, dtype=dtype)
+    llm_model, _ = load_model(model_dir, dtype=dtype, load_format=load_format)
     return llm_model, load_tokenizer(model_dir), build_engine_config(llm_model, **options)
 
 

@@ -33,13 +33,18 @@ ORBAX_DIR = "checkpoint"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(model_dir, *, dtype="auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir, *, dtype="auto",
+               load_format="auto") -> tuple[LlamaForCausalLM, ModelConfig]:
     """(model, config) from a Hugging Face directory; dtype "auto" = the config's torch_dtype.
+
+    load_format "auto" reads the directory's weights (safetensors or orbax).
 
     config.eos_token_ids merges config.json's and generation_config.json's `eos_token_id`.
     Raises FileNotFoundError naming a missing file, ValueError naming a bad field or tensor.
     """
     model_dir = Path(model_dir)
+    if load_format != "auto":
+        raise ValueError(f"load_format must be 'auto', got {load_format!r}")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     config = ModelConfig.from_json(model_dir / "config.json")
