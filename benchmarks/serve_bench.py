@@ -7,10 +7,18 @@ the prompt length does not depend on the server's tokenizer), `max_tokens` = out
 with `stream_options.include_usage` (the output token count comes from the final usage chunk;
 without one, text chunks are counted). Measured per request: TTFT (first chunk with text), TPOT
 ((end - first text) / (tokens - 1)), end-to-end latency. Every request is bounded by --timeout
-after it is sent, so a run ends by itself. Defaults target loopback only.
+after it is sent, so a run ends by itself. Defaults target loopback only. The table (--out) is
+rewritten after every rate, so an interrupted sweep keeps the rates it finished.
+
+A random-weight model to serve: `--write-model-dir DIR --preset llama3-8b` writes the preset
+(configs/models/) as DIR/config.json plus a synthetic tokenizer.json, one word per token id, then
+exits; serve it with `python -m jpaged.serve --model DIR --load-format dummy`. The tokenizer is
+there because without one the server's completions carry no text, so a stream has no text chunk
+whose arrival gives TTFT; with it every token streams as text, as with a real model.
 
 Usage: python benchmarks/serve_bench.py --request-rate 1,4,16,inf --num-requests 256
            [--base-url http://127.0.0.1:8000] [--model NAME] [--out FILE] [--plot FILE]
+       python benchmarks/serve_bench.py --write-model-dir DIR [--preset NAME]
 """
 
 import argparse
@@ -26,7 +34,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS_DIR = ROOT / "configs" / "models"
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.trace import SHAREGPT, make_trace  # noqa: E402
 
@@ -63,7 +73,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--num-warmup", type=int, default=1, help="short unmeasured requests sent first")
     add("--out", default=None, help="write the markdown table here")
     add("--plot", default=None, help="write a latency-vs-rate PNG here")
+    add("--plot-title", default="", help="title of the plot")
+    add("--write-model-dir", default=None, metavar="DIR",
+        help="write --preset's config.json and a synthetic tokenizer.json into DIR (for "
+             "`jpaged.serve --load-format dummy`) and exit; sends no request")
+    add("--preset", default="llama3-8b", help="a configs/models/ name, for --write-model-dir")
     return parser.parse_args(argv)
+
+
+def write_model_dir(preset: str, directory) -> Path:
+    """DIR/config.json = configs/models/<preset>.json; DIR/tokenizer.json = a word-level
+    tokenizer whose token id i is the word "t<i>" (decoded tokens are joined by spaces), covering
+    the whole vocabulary. Returns DIR."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    source = PRESETS_DIR / f"{preset}.json"
+    if not source.is_file():
+        known = sorted(path.stem for path in PRESETS_DIR.glob("*.json"))
+        raise ValueError(f"unknown preset {preset!r}; known: {known}")
+    config = json.loads(source.read_text())
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    vocab = {f"t{token_id}": token_id for token_id in range(config["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
 
 
 def parse_rates(text: str) -> list[float]:
@@ -168,15 +204,21 @@ async def fetch_model(http: httpx.AsyncClient) -> str:
     return reply.json()["data"][0]["id"]
 
 
-async def benchmark(args) -> list[dict]:
-    """One summary row per rate in args.request_rate (sets args.model if it was None)."""
+async def benchmark(args, on_row=None) -> list[dict]:
+    """One summary row per rate in args.request_rate (sets args.model if it was None);
+    `on_row(rows so far)` is called after each rate."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=timeout, limits=limits) as http:
         args.model = args.model or await fetch_model(http)
         for _ in range(args.num_warmup):
             await send(http, request_body(args.model, [1, 2, 3, 4], 4), args.timeout)
-        return [await run_rate(http, args, rate) for rate in parse_rates(args.request_rate)]
+        rows = []
+        for rate in parse_rates(args.request_rate):
+            rows.append(await run_rate(http, args, rate))
+            if on_row is not None:
+                on_row(rows)
+        return rows
 
 
 def table(rows: list[dict], args, argv: list[str]) -> str:
@@ -201,20 +243,26 @@ def table(rows: list[dict], args, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: str):
+def plot(rows: list[dict], path: str, title: str = ""):
+    """TTFT, TPOT and end-to-end latency (p50 / p90 / p99) against the request rate."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    positions = range(len(rows))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, name in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
-        for q in (50, 99):
-            ax.plot(positions, [row[f"{metric}_p{q}"] * 1e3 for row in rows], marker="o",
+    positions = range(len(rows))  # evenly spaced: the rates are roughly geometric, and inf
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (("ttft", "TTFT (ms)", 1e3), ("tpot", "TPOT (ms)", 1e3), ("e2e", "end-to-end (s)", 1))
+    for ax, (metric, label, scale) in zip(axes, panels):
+        for q in PERCENTILES:
+            ax.plot(positions, [row[f"{metric}_p{q}"] * scale for row in rows], marker="o",
                     label=f"p{q}")
         ax.set_xticks(list(positions), [f"{row['rate']:g}" for row in rows])
-        ax.set(xlabel="request rate (req/s)", ylabel=f"{name} (ms)", title=name)
+        ax.set(xlabel="request rate (req/s)", ylabel=label, title=label.split(" (")[0])
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -223,13 +271,22 @@ def plot(rows: list[dict], path: str):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    rows = asyncio.run(benchmark(args))
+    if args.write_model_dir:
+        print(f"wrote {write_model_dir(args.preset, args.write_model_dir)}")
+        return 0
+
+    def on_row(rows):
+        print(f"rate {rows[-1]['rate']:g}: {json.dumps(rows[-1])}", flush=True)
+        if args.out:
+            Path(args.out).write_text(table(rows, args, argv))
+
+    rows = asyncio.run(benchmark(args, on_row))
     text = table(rows, args, argv)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args.plot_title)
     return 0 if all(row["failed"] == 0 for row in rows) else 1
 
 

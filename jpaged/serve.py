@@ -21,6 +21,7 @@ from jpaged import openai_api as api
 from jpaged.async_engine import AsyncEngine, EngineError, RequestGroup
 from jpaged.engine import LLMEngine
 from jpaged.engine_config import ATTENTION_BACKENDS, default_model_dir
+from jpaged.models.loader import LOAD_FORMATS
 
 DEFAULT_MODEL_NAME = "jpaged-default"
 
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="GiB of host memory for swapped KV blocks per device; only 0 is supported yet")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
         help="reuse KV blocks of shared prompt prefixes (not supported yet)")
+    add("--load-format", default="auto", choices=LOAD_FORMATS,
+        help="auto: the weights in --model; dummy: random weights of the config's shapes "
+             "(the directory needs only config.json, plus tokenizer.json for text), for "
+             "benchmarks")
     add("--dtype", default="auto", help="weight dtype: auto (the config's), float32, bfloat16, "
                                         "float16")
     add("--kv-cache-dtype", default="auto", help="KV-cache dtype (auto: the weight dtype)")
@@ -91,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The LLMEngine.from_pretrained options the flags set."""
-    return dict(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+    return dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,

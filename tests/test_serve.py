@@ -382,7 +382,8 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--model", "--host", "--port", "--block-size", "--num-kv-blocks",
                  "--gpu-memory-utilization", "--max-num-seqs", "--max-model-len",
                  "--preemption-mode", "--swap-space", "--enable-prefix-caching",
-                 "--no-enable-prefix-caching", "--dtype", "--seed", "--attention-backend"):
+                 "--no-enable-prefix-caching", "--load-format", "--dtype", "--seed",
+                 "--attention-backend"):
         assert flag in text, flag
     assert "127.0.0.1" in text
 
@@ -401,12 +402,14 @@ def test_flags_reach_the_engine_options():
     args = serve.parse_args(["--block-size", "8", "--num-kv-blocks", "99", "--max-num-seqs", "3",
                              "--max-model-len", "100", "--dtype", "bfloat16", "--seed", "5",
                              "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
-                             "--num-scheduler-steps", "4", "--async-scheduling"])
+                             "--num-scheduler-steps", "4", "--async-scheduling",
+                             "--load-format", "dummy"])
     options = serve.engine_options(args)
     assert (options["block_size"], options["num_kv_blocks"], options["max_num_seqs"],
             options["max_model_len"], options["dtype"], options["seed"],
             options["gpu_memory_utilization"]) == (8, 99, 3, 100, "bfloat16", 5, 0.5)
     assert (options["num_scheduler_steps"], options["async_scheduling"]) == (4, True)
+    assert options["load_format"] == "dummy" and serve.parse_args([]).load_format == "auto"
     assert (args.host, args.model) == ("127.0.0.1", None)
 
 

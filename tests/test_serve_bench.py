@@ -1,6 +1,8 @@
-"""benchmarks/serve_bench.py against a real `python -m jpaged.serve` on a free loopback port."""
+"""benchmarks/serve_bench.py against a real `python -m jpaged.serve --load-format dummy` (the
+tiny preset, in a directory written by serve_bench itself) on a free loopback port."""
 
 import asyncio
+import json
 import math
 
 import httpx
@@ -14,11 +16,13 @@ SERVER_FLAGS = ["--block-size=16", "--max-num-seqs=4", "--max-num-batched-tokens
 
 
 @pytest.fixture(scope="module")
-def server_url(hf_checkpoints, tmp_path_factory):
-    """The tiny llama_gqa checkpoint served on 127.0.0.1 in a subprocess."""
-    log_path = tmp_path_factory.mktemp("serve_bench") / "server.log"
-    with running_server(["--model", hf_checkpoints["llama_gqa"], *SERVER_FLAGS],
-                        log_path) as url:
+def server_url(tmp_path_factory):
+    """Random weights of the tiny preset with serve_bench's synthetic tokenizer, served on
+    127.0.0.1 in a subprocess, as the H200 run serves the Llama-3-8B shape."""
+    root = tmp_path_factory.mktemp("serve_bench")
+    assert serve_bench.main(["--write-model-dir", str(root / "model"), "--preset", "tiny"]) == 0
+    with running_server(["--model", str(root / "model"), "--load-format", "dummy",
+                         *SERVER_FLAGS], root / "server.log") as url:
         yield url
 
 
@@ -28,8 +32,9 @@ def test_bench_completes_every_request_with_ordered_percentiles(server_url, tmp_
             "--max-output-len", "12", "--timeout", "60", "--out", str(tmp_path / "t.md"),
             "--plot", str(tmp_path / "p.png")]
     args = serve_bench.parse_args(argv)
-    (row,) = asyncio.run(serve_bench.benchmark(args))
-    assert args.model  # fetched from /v1/models
+    seen = []
+    (row,) = asyncio.run(serve_bench.benchmark(args, on_row=lambda rows: seen.append(len(rows))))
+    assert args.model and seen == [1]  # model fetched from /v1/models; one call per rate
     assert (row["completed"], row["failed"]) == (8, 0), row["errors"]
     assert row["output_tokens_per_s"] > 0 and row["request_throughput"] > 0
     for metric in ("ttft", "tpot", "e2e"):
@@ -64,3 +69,16 @@ def test_rates_parse_and_lengths_do_not_depend_on_rate():
     assert [b for _, b in slow] == [b for _, b in burst]
     assert all(t == 0 for t, _ in burst) and all(b["max_tokens"] <= 7 for _, b in slow)
     assert [t for t, _ in slow] == sorted(t for t, _ in slow) and slow[-1][0] > 0
+
+
+def test_model_dir_holds_the_preset_and_a_tokenizer_over_its_vocabulary(tmp_path):
+    from tokenizers import Tokenizer
+
+    directory = serve_bench.write_model_dir("llama3-8b", tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    assert config == json.loads((serve_bench.PRESETS_DIR / "llama3-8b.json").read_text())
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == config["vocab_size"] == 128256
+    assert tokenizer.decode([0, 7, 128255]) == "t0 t7 t128255"
+    with pytest.raises(ValueError, match="no-such-model"):
+        serve_bench.write_model_dir("no-such-model", tmp_path / "x")

@@ -1,7 +1,8 @@
 """Load a model directory without torch: config.json, tokenizer.json and the weights, either
 Hugging Face safetensors (one file or shards plus an index) or an orbax-checkpoint folder
 `checkpoint/` whose tree is the Hugging Face names split at the dots (`tools/train_tiny.py` writes
-one; the built-in default model is one).
+one; the built-in default model is one). Or, with load_format "dummy", no weights at all: random
+parameters of the config's shapes, for benchmarks (vLLM's `--load-format dummy`).
 
 Parameters are built straight from the tensors: the model is traced abstractly
 (`nnx.eval_shape`, no memory), then every variable is filled from its checkpoint tensor, one
@@ -28,6 +29,8 @@ from jpaged.models.llama import LlamaForCausalLM
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ORBAX_DIR = "checkpoint"
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_SEED = 0  # fixed, so two dummy loads of one config give the same model
 # Checkpoint tensors that are safe to skip: rotary tables, which are recomputed from the config.
 # (A tied model's saved `lm_head.weight`, a copy of the embedding, is skipped too.)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -37,19 +40,24 @@ def load_model(model_dir, *, dtype="auto",
                load_format="auto") -> tuple[LlamaForCausalLM, ModelConfig]:
     """(model, config) from a Hugging Face directory; dtype "auto" = the config's torch_dtype.
 
-    load_format "auto" reads the directory's weights (safetensors or orbax).
+    load_format "auto" reads the directory's weights (safetensors or orbax); "dummy" reads only
+    config.json and draws random weights (seed DUMMY_SEED) on the device: one jitted draw and
+    cast per tensor (the model's own init), so nothing passes through the host and at most one
+    tensor exists in float32 at a time.
 
     config.eos_token_ids merges config.json's and generation_config.json's `eos_token_id`.
     Raises FileNotFoundError naming a missing file, ValueError naming a bad field or tensor.
     """
     model_dir = Path(model_dir)
-    if load_format != "auto":
-        raise ValueError(f"load_format must be 'auto', got {load_format!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     config = ModelConfig.from_json(model_dir / "config.json")
     config = dataclasses.replace(config, eos_token_ids=_merged_eos_ids(model_dir, config))
     dtype = jnp.dtype(config.torch_dtype if dtype == "auto" else normalize_dtype(dtype))
+    if load_format == "dummy":
+        return LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(DUMMY_SEED)), config
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     wanted = {_param_name(path): (path, var) for path, var in nnx.to_flat_state(abstract_state)}
