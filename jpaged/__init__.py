@@ -1,9 +1,11 @@
 """jpaged: a PagedAttention serving engine for JAX."""
 
+from jpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
 from jpaged.request import CompletionOutput, RequestOutput
 from jpaged.sampling import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"
