@@ -246,6 +246,7 @@ def table(rows: list[dict], args, argv: list[str]) -> str:
 def plot(rows: list[dict], path: str, title: str = ""):
     """TTFT, TPOT and end-to-end latency (p50 / p90 / p99) against the request rate."""
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -259,6 +260,8 @@ def plot(rows: list[dict], path: str, title: str = ""):
         ax.set_xticks(list(positions), [f"{row['rate']:g}" for row in rows])
         ax.set(xlabel="request rate (req/s)", ylabel=label, title=label.split(" (")[0])
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.LogFormatter())  # 20, not 2x10^1
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.LogFormatter(minor_thresholds=(2, 0.5)))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     if title:
