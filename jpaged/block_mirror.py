@@ -22,6 +22,7 @@ class HostBlockMirror:
         self.refcounts[SINK_BLOCK] = 1
         self.tables: list[list[int]] = [[] for _ in range(max_seqs)]
         self.seq_lens = [0] * max_seqs
+        self.num_popped = 0          # blocks ever taken off the free stack (for accounting)
 
     @property
     def num_free(self) -> int:
@@ -70,13 +71,13 @@ class HostBlockMirror:
             table = self.tables[seq_id]
             old_len = self.seq_lens[seq_id]
             if count and old_len % self.block_size and self.refcounts[table[-1]] > 1:
-                fresh = self.free_stack.pop()
+                fresh = self._pop()
                 copy = (table[-1], fresh)
                 self.refcounts[table[-1]] -= 1
                 self.refcounts[fresh] = 1
                 table[-1] = fresh
             while len(table) * self.block_size < old_len + count:
-                fresh = self.free_stack.pop()
+                fresh = self._pop()
                 self.refcounts[fresh] = 1
                 table.append(fresh)
             positions = range(old_len, old_len + count)
@@ -86,20 +87,55 @@ class HostBlockMirror:
             self.seq_lens[seq_id] = old_len + count
         return True, all_slots, all_copies
 
-    def free(self, seq_ids: list[int]):
-        """Mirror of free_seqs: decrement all, then push zeros in first-occurrence order."""
+    def free(self, seq_ids: list[int]) -> list[int]:
+        """Mirror of free_seqs: decrement all, then push zeros in first-occurrence order.
+        Returns the blocks that lost a reference, in table order."""
         touched = [b for s in seq_ids if s >= 0 for b in self.tables[s]]
-        for block in touched:
-            self.refcounts[block] -= 1
-        seen = set()
-        for block in touched:
-            if block not in seen and self.refcounts[block] == 0:
-                self.free_stack.append(block)
-            seen.add(block)
+        self._drop(touched)
         for s in seq_ids:
             if s >= 0:
                 self.tables[s] = []
                 self.seq_lens[s] = 0
+        return touched
+
+    def _drop(self, blocks: list[int]):
+        for block in blocks:
+            self.refcounts[block] -= 1
+        seen = set()
+        for block in blocks:
+            if block not in seen and self.refcounts[block] == 0:
+                self.free_stack.append(block)
+            seen.add(block)
+
+    def retain(self, blocks: list[int]):
+        """Mirror of retain_blocks."""
+        for block in blocks:
+            self.refcounts[block] += 1
+
+    def release(self, blocks: list[int]):
+        """Mirror of release_blocks."""
+        self._drop(blocks)
+
+    def pop(self, count: int) -> list[int]:
+        """Mirror of pop_blocks: the ids taken, in pop order."""
+        if count > self.num_free:
+            raise ValueError(f"pop of {count} blocks with {self.num_free} free")
+        return [self._pop() for _ in range(count)]
+
+    def _pop(self) -> int:
+        self.num_popped += 1
+        return self.free_stack.pop()
+
+    def adopt(self, items: list[tuple[int, list[int], int]]):
+        """Mirror of adopt_blocks over (seq_id, blocks, length) items; blocks has exactly
+        ceil(length / S) entries and the sequence is empty."""
+        for seq_id, blocks, length in items:
+            assert not self.tables[seq_id], "adopt into a sequence that holds blocks"
+            assert len(blocks) == -(-length // self.block_size)
+            for block in blocks:
+                self.refcounts[block] += 1
+            self.tables[seq_id] = list(blocks)
+            self.seq_lens[seq_id] = length
 
     def fork(self, pairs: list[tuple[int, int]]):
         """Mirror of fork_seqs over (parent, child) pairs."""

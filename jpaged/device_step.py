@@ -198,3 +198,7 @@ decode_loop = jax.jit(decode_loop_impl, donate_argnums=(1, 2), static_argnames=(
 next_inputs = jax.jit(next_inputs_impl)
 free_program = jax.jit(memory.free_seqs, donate_argnums=0)
 fork_program = jax.jit(memory.fork_seqs, donate_argnums=0)
+retain_program = jax.jit(memory.retain_blocks, donate_argnums=0)
+release_program = jax.jit(memory.release_blocks, donate_argnums=0)
+pop_program = jax.jit(memory.pop_blocks, donate_argnums=0)
+adopt_program = jax.jit(memory.adopt_blocks, donate_argnums=0)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jpaged import kv_cache
 from jpaged.block_mirror import HostBlockMirror
 from jpaged.decode_pipeline import DecodePipeline
 from jpaged.detokenizer import IncrementalDetokenizer
@@ -21,7 +22,9 @@ from jpaged.engine_config import EngineConfig, build_engine_config, resolve_engi
 from jpaged.request import CompletionOutput, Request, RequestOutput, Sequence
 from jpaged.runner import ModelRunner
 from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow, request_seed
+from jpaged.prefix_cache import PrefixCache
 from jpaged.scheduler import Scheduler
+from jpaged.swap import SwapStore, transfer_rate_probe
 
 
 def enable_compilation_cache(directory: str):
@@ -57,8 +60,17 @@ class LLMEngine:
             enable_compilation_cache(config.compilation_cache_dir)
         self.mirror = HostBlockMirror(config.num_kv_blocks, config.block_size, config.max_num_seqs,
                                       -(-config.max_model_len // config.block_size))
-        self.scheduler = Scheduler(self.mirror, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        model_config = model.config
+        self.bytes_per_block = kv_cache.bytes_per_block(
+            model_config.num_hidden_layers, model_config.num_key_value_heads,
+            model_config.head_dim, config.block_size, config.kv_dtype)
+        num_swap_blocks = (0 if config.preemption_mode == "recompute"
+                           else int(config.swap_space * 2**30 // self.bytes_per_block))
+        self.scheduler = Scheduler(
+            self.mirror, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            prefix_cache=PrefixCache(config.block_size) if config.enable_prefix_caching else None,
+            preemption_mode=config.preemption_mode, num_swap_blocks=num_swap_blocks)
         self.pipeline = DecodePipeline(self)
         self.runner = ModelRunner(
             model, num_blocks=config.num_kv_blocks, block_size=config.block_size,
@@ -68,12 +80,18 @@ class LLMEngine:
         # The decode loop's output buffers are sized once (a static shape); each step may run
         # fewer iterations, so benchmarks can vary num_scheduler_steps without recompiling.
         self.loop_capacity = config.num_scheduler_steps
+        if num_swap_blocks:
+            self.runner.swap_store = SwapStore(config.num_kv_blocks, self.bytes_per_block)
         self.warmup_seconds = 0.0
         if config.warmup:
             start = time.perf_counter()
             self.runner.warmup(max_steps=config.num_scheduler_steps,
                                max_model_len=config.max_model_len)
             self.warmup_seconds = time.perf_counter() - start
+        self.swap_rates = None
+        if num_swap_blocks and config.preemption_mode == "auto":
+            self.swap_rates = self._measure_swap_rates()
+            self.scheduler.swap_policy = self._swap_is_cheaper
         self.runner.strict_compilation = config.strict_compilation
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
@@ -85,6 +103,21 @@ class LLMEngine:
         self.host_seconds = 0.0
         self.device_seconds = 0.0
         self.step_log: list[StepRecord] | None = None  # set to [] to record every step
+
+    def _measure_swap_rates(self) -> dict:
+        """The start-up measurements the "auto" preemption policy compares: a swap round trip
+        (fixed seconds + seconds per block) and the prefill rate (seconds per token)."""
+        runner = self.runner
+        typical = -(-self.config.max_model_len // self.config.block_size)
+        runner.cache, fixed, per_block = transfer_rate_probe(
+            runner.swap_store, runner.cache, min(typical, self.config.num_kv_blocks - 1))
+        return {"swap_fixed_seconds": fixed, "swap_seconds_per_block": per_block,
+                "prefill_seconds_per_token": runner.measure_prefill_seconds_per_token()}
+
+    def _swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
+        rates = self.swap_rates
+        swap = rates["swap_fixed_seconds"] + rates["swap_seconds_per_block"] * num_blocks
+        return swap < rates["prefill_seconds_per_token"] * num_tokens
 
     @classmethod
     def from_pretrained(cls, model=None, **options) -> "LLMEngine":
@@ -182,6 +215,13 @@ class LLMEngine:
         self.runner.apply_ops(self.scheduler.pending_ops)
         self.scheduler.pending_ops = []
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new request can get: the free stack plus cached blocks no request holds
+        (evicted on demand)."""
+        cache = self.scheduler.prefix_cache
+        return self.mirror.num_free + (cache.num_evictable() if cache else 0)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.pipeline.in_flight is not None
 
@@ -207,7 +247,8 @@ class LLMEngine:
                 return []
             rows, is_decode, num_tokens = schedule.rows, schedule.is_decode, schedule.num_tokens
             if self._is_pure_decode(schedule):
-                self.pipeline.launch(schedule.rows, 1 if self.scheduler.waiting
+                queued = self.scheduler.waiting or self.scheduler.swapped
+                self.pipeline.launch(schedule.rows, 1 if queued
                                      else self.config.num_scheduler_steps)
                 if self._can_chain():
                     return []  # this loop's tokens come back with the next step
@@ -239,7 +280,8 @@ class LLMEngine:
         did not run dry (preemption needs the scheduler), and the loop covers every running
         sequence (a request left out by the token budget must not starve)."""
         running = self.scheduler.running
-        return (self.config.async_scheduling and not self.scheduler.waiting and bool(running)
+        return (self.config.async_scheduling and not self.scheduler.waiting
+                and not self.scheduler.swapped and bool(running)
                 and not self.pipeline.ran_dry
                 and self.pipeline.covers(s for r in running for s in r.live_sequences))
 
@@ -348,21 +390,31 @@ class LLMEngine:
             finish_reason=seq.finish_reason) for seq in request.sequences]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              completions, request.is_finished, request.num_preemptions,
-                             request.num_recomputed_tokens)
+                             request.num_recomputed_tokens, request.num_cached_tokens)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
         runner = self.runner
+        store, cache = runner.swap_store, self.scheduler.prefix_cache
         return {
             "num_kv_blocks": self.config.num_kv_blocks,
-            "num_free_blocks": self.mirror.num_free,
+            "num_free_blocks": self.num_free_blocks,
             "block_size": self.config.block_size,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_compilations": runner.num_compilations,
             "compile_seconds": runner.compile_seconds,
             "warmup_seconds": self.warmup_seconds,
+            "num_swapped": len(self.scheduler.swapped),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "num_swapped_out_blocks": self.scheduler.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.scheduler.num_swapped_in_blocks,
+            "num_free_swap_blocks": len(self.scheduler.free_host_blocks),
+            "swap_bytes_out": store.bytes_out if store else 0,
+            "swap_bytes_in": store.bytes_in if store else 0,
+            "prefix_cache_hit_rate": cache.hit_rate if cache else 0.0,
+            "num_cached_blocks": len(cache) if cache else 0,
             "num_loops_out_of_blocks": self.num_loops_out_of_blocks,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,

@@ -11,6 +11,7 @@ from jpaged.config import normalize_dtype
 from jpaged.models.loader import load_model, load_tokenizer
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 CPU_KV_BUDGET_BYTES = 1 << 30       # no memory statistics on the CPU: a fixed 1 GiB pool at most
 ACTIVATION_SLACK_BYTES = 512 << 20  # allocator fragmentation, compiler scratch, kernels' partials
 
@@ -32,6 +33,9 @@ class EngineConfig:
     warmup: bool = False               # compile every bucket shape at start-up
     strict_compilation: bool = False   # after warm-up, a new shape is an error
     compilation_cache_dir: str | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "auto"      # "auto" | "swap" | "recompute"
+    swap_space: float = 4.0            # GiB of host memory for swapped-out KV blocks
 
     def __post_init__(self):
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len",
@@ -44,6 +48,18 @@ class EngineConfig:
                              f"got {self.num_kv_blocks}")
         if self.strict_compilation and not self.warmup:
             raise ValueError("strict_compilation=True needs warmup=True (nothing is compiled yet)")
+        for name in ("async_scheduling", "warmup", "strict_compilation", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) \
+                or not 0 <= self.swap_space < float("inf"):
+            raise ValueError(f"swap_space must be a non-negative number of GiB, "
+                             f"got {self.swap_space!r}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
         if self.attention_backend not in ATTENTION_BACKENDS[1:]:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -80,7 +96,9 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
                         max_num_seqs=256, max_model_len=None, max_num_batched_tokens=None, seed=0,
                         attention_backend="auto", kv_cache_dtype="auto",
                         num_scheduler_steps=1, async_scheduling=False, warmup=None,
-                        strict_compilation=False, compilation_cache_dir=None) -> EngineConfig:
+                        strict_compilation=False, compilation_cache_dir=None,
+                        enable_prefix_caching=True, preemption_mode="auto",
+                        swap_space=4.0) -> EngineConfig:
     """Engine settings for a model already in memory (its weights count against the budget).
 
     warmup None means: compile all shapes at start-up on an accelerator, lazily on the CPU.
@@ -114,7 +132,9 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
                         num_scheduler_steps=num_scheduler_steps,
                         async_scheduling=async_scheduling, warmup=warmup,
                         strict_compilation=strict_compilation,
-                        compilation_cache_dir=compilation_cache_dir)
+                        compilation_cache_dir=compilation_cache_dir,
+                        enable_prefix_caching=enable_prefix_caching,
+                        preemption_mode=preemption_mode, swap_space=swap_space)
 
 
 def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:

@@ -89,6 +89,8 @@ class LLM:
             rate = (self.engine.num_generated_tokens - generated_before) / max(
                 time.perf_counter() - start, 1e-9)
             bar.set_postfix(tokens_per_s=f"{rate:.0f}")
+        while self.engine.has_unfinished() and not self.engine.scheduler.num_unfinished:
+            self.engine.step()   # a chained decode loop still in flight: settle it
         bar.close()
         return [finished[request_id] for request_id in request_ids]
 

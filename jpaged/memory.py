@@ -3,7 +3,9 @@
 State: a free-block stack (the free blocks are `free_stack[:num_free]`, the top is popped first),
 per-block refcounts, per-sequence block tables [max_seqs, M] and lengths. Every function takes the
 state and returns a new one; none scans all blocks: allocation pops from the stack, freeing pushes
-the blocks whose refcount reached zero. All work inside `lax.fori_loop`/`while_loop` (the
+the blocks whose refcount reached zero. Extra references (`retain_blocks`/`release_blocks`) let
+the prefix cache keep blocks alive with no sequence holding them; `pop_blocks` + `adopt_blocks`
+hand ready-made tables to sequences (prefix hits, swap-in). All work inside `lax.fori_loop`/`while_loop` (the
 multi-step decode loop allocates on the device).
 
 Conventions the engine relies on:
@@ -177,15 +179,9 @@ def append_one(state, seq_ids):
     return state, result.slot_mapping[:, 0], result.copies, result.ok
 
 
-def free_seqs(state: BlockManagerState, seq_ids) -> BlockManagerState:
-    """Drop sequences (seq_ids [B], -1 = padded row, no id twice): each of their blocks loses one
-    reference, and blocks reaching zero go back on the stack in first-occurrence order."""
-    active = seq_ids >= 0
-    sid = jnp.where(active, seq_ids, 0)
-    rows = state.block_tables[sid]                                       # [B, M]
-    owned = active[:, None] & (jnp.arange(state.max_blocks_per_seq)[None]
-                               < _cdiv(state.seq_lens[sid], state.block_size)[:, None])
-    ids = jnp.where(owned, rows, state.num_blocks).reshape(-1)
+def _drop_references(state: BlockManagerState, ids) -> BlockManagerState:
+    """ids [P] (num_blocks = none): each loses one reference; blocks reaching zero go back on the
+    stack in first-occurrence order."""
     refcounts = state.refcounts.at[ids].add(-1, mode="drop")
     order = jnp.argsort(ids, stable=True)
     sorted_ids = ids[order]
@@ -196,12 +192,61 @@ def free_seqs(state: BlockManagerState, seq_ids) -> BlockManagerState:
     rank = jnp.cumsum(released) - released
     push_at = jnp.where(released, state.num_free + rank, state.num_blocks)
     free_stack = state.free_stack.at[push_at].set(ids, mode="drop")
+    return dataclasses.replace(state, free_stack=free_stack,
+                               num_free=state.num_free + jnp.sum(released), refcounts=refcounts)
+
+
+def free_seqs(state: BlockManagerState, seq_ids) -> BlockManagerState:
+    """Drop sequences (seq_ids [B], -1 = padded row, no id twice): each of their blocks loses one
+    reference, and blocks reaching zero go back on the stack in first-occurrence order."""
+    active = seq_ids >= 0
+    sid = jnp.where(active, seq_ids, 0)
+    rows = state.block_tables[sid]                                       # [B, M]
+    owned = active[:, None] & (jnp.arange(state.max_blocks_per_seq)[None]
+                               < _cdiv(state.seq_lens[sid], state.block_size)[:, None])
+    state = _drop_references(state, jnp.where(owned, rows, state.num_blocks).reshape(-1))
     drop_row = jnp.where(active, sid, state.max_seqs)
     return dataclasses.replace(
-        state, free_stack=free_stack, num_free=state.num_free + jnp.sum(released),
-        refcounts=refcounts,
-        block_tables=state.block_tables.at[drop_row].set(SINK_BLOCK, mode="drop"),
+        state, block_tables=state.block_tables.at[drop_row].set(SINK_BLOCK, mode="drop"),
         seq_lens=state.seq_lens.at[drop_row].set(0, mode="drop"))
+
+
+def retain_blocks(state: BlockManagerState, block_ids) -> BlockManagerState:
+    """One more reference on each of block_ids [P] (-1 = padding), e.g. the prefix cache's own
+    reference on a block it indexes, which keeps the block off the free stack."""
+    ids = jnp.where(block_ids < 0, state.num_blocks, block_ids)
+    return dataclasses.replace(state, refcounts=state.refcounts.at[ids].add(1, mode="drop"))
+
+
+def release_blocks(state: BlockManagerState, block_ids) -> BlockManagerState:
+    """The inverse of retain_blocks (block_ids [P], -1 = padding): blocks reaching zero
+    references go back on the stack in first-occurrence order (prefix-cache eviction)."""
+    return _drop_references(state, jnp.where(block_ids < 0, state.num_blocks, block_ids))
+
+
+def pop_blocks(state: BlockManagerState, count) -> BlockManagerState:
+    """Take the top `count` ([] int32) blocks off the free stack without a holder yet; the next
+    operation (adopt_blocks) gives them their references. The caller knows the ids from the
+    mirror: free_stack[num_free - 1], free_stack[num_free - 2], ... The caller checks count <=
+    num_free (the host mirror does)."""
+    return dataclasses.replace(state, num_free=state.num_free - count)
+
+
+def adopt_blocks(state: BlockManagerState, seq_ids, tables, seq_lens) -> BlockManagerState:
+    """Give empty sequences seq_ids [B] (-1 = padded row) ready-made tables [B, M] and lengths
+    [B]: each owned entry (the first ceil(len / S)) gains one reference. Used for prefix-cache
+    hits (cached blocks) and swap-in (blocks just popped)."""
+    active = seq_ids >= 0
+    owned = active[:, None] & (jnp.arange(state.max_blocks_per_seq)[None]
+                               < _cdiv(seq_lens, state.block_size)[:, None])
+    rows = jnp.where(owned, tables, SINK_BLOCK)
+    refcounts = state.refcounts.at[jnp.where(owned, tables, state.num_blocks)].add(
+        1, mode="drop")
+    row = jnp.where(active, seq_ids, state.max_seqs)
+    return dataclasses.replace(
+        state, refcounts=refcounts,
+        block_tables=state.block_tables.at[row].set(rows, mode="drop"),
+        seq_lens=state.seq_lens.at[row].set(jnp.where(active, seq_lens, 0), mode="drop"))
 
 
 def fork_seqs(state: BlockManagerState, parent_ids, child_ids) -> BlockManagerState:

@@ -10,6 +10,7 @@ from jpaged.sampling import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # not in the cache (new, or preempted by recompute)
     RUNNING = "running"
+    SWAPPED = "swapped"      # preempted by swap: its KV blocks wait in host memory
     FINISHED = "finished"
 
 
@@ -26,6 +27,8 @@ class Sequence:
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     detokenizer: object = None
     stop_reason: object = None
+    block_keys: list[int] = dataclasses.field(default_factory=list)  # prefix-cache keys (memo)
+    num_indexed: int = 0             # leading full blocks already offered to the prefix cache
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -57,7 +60,10 @@ class Request:
     reserved_slots: list[int] = dataclasses.field(default_factory=list)  # for the n-1 forks
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0         # prefix-cache hit tokens at its latest admission
     first_token_time: float | None = None
+    swap: "SwapRecord | None" = None   # where its blocks are while SWAPPED
 
     def __post_init__(self):
         if not self.sequences:
@@ -74,6 +80,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.is_forked and not self.live_sequences
+
+
+@dataclasses.dataclass
+class SwapRecord:
+    """A swapped-out request: its distinct blocks went to host blocks `host_ids` in one transfer
+    (`handle` names it for the runner); each sequence's table lists indices into host_ids."""
+    handle: int
+    host_ids: list[int]
+    tables: dict[int, list[int]]      # sequence index -> positions in host_ids
+    lengths: dict[int, int]           # sequence index -> tokens in its blocks
 
 
 @dataclasses.dataclass
@@ -97,3 +113,4 @@ class RequestOutput:
     finished: bool
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    num_cached_tokens: int = 0

@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from jpaged import kv_cache, memory
-from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, decode_loop,
-                                fork_program, free_program, next_inputs, step_program)
+from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
+                                decode_loop, fork_program, free_program, next_inputs,
+                                pop_program, release_program, retain_program, step_program)
 from jpaged.sampling import MAX_LOGPROBS, SamplingTensors
 
 
@@ -32,6 +33,30 @@ class LaunchedLoop:
     static: dict
     num_rows: int
     start: float
+
+
+OP_CHUNK = 256   # most blocks one retain/release program takes (longer lists go in chunks)
+BLOCK_OPS = ("free", "fork", "retain", "release", "pop", "adopt")
+
+
+def _pad_rows(items, size: int, width: int = 0):
+    """items as an int32 array of `size` rows, padded with -1."""
+    shape = (size, width) if width else (size,)
+    out = np.full(shape, -1, np.int32)
+    if items:
+        out[:len(items)] = items
+    return out
+
+
+def _padding_op(kind: str, size: int):
+    """A block operation of `size` padded entries, which changes nothing (for warm-up)."""
+    if kind == "pop":
+        return ("pop", 0)
+    if kind == "fork":
+        return ("fork", [(-1, -1)] * size)
+    if kind == "adopt":
+        return ("adopt", [(-1, [], 0)] * size)
+    return (kind, [-1] * size)
 
 
 def bucket(n: int, floor: int, cap: int) -> int:
@@ -59,6 +84,7 @@ class ModelRunner:
                                          self.max_blocks_per_seq)
         self.cache = kv_cache.init_cache(config.num_hidden_layers, config.num_key_value_heads,
                                          num_blocks, block_size, config.head_dim, kv_dtype)
+        self.swap_store = None            # a SwapStore once swapping is enabled
         self.compiled_shapes: set = set()
         self.compile_seconds = 0.0
         self.num_padded_tokens = 0
@@ -69,17 +95,46 @@ class ModelRunner:
 
     # ---- block-manager operations queued by the scheduler ----------------------------------
     def apply_ops(self, ops):
-        """Replay the scheduler's frees and forks on the device, in the scheduler's order."""
+        """Replay the scheduler's block operations on the device, in the scheduler's order
+        (see `jpaged.scheduler` for the kinds). Block lists go in chunks of at most
+        OP_CHUNK entries and row lists in max_num_seqs buckets, so shapes stay few."""
+        row_cap = max(4, self.max_num_seqs)
         for kind, items in ops:
-            size = bucket(len(items), 4, max(4, self.max_num_seqs))
             if kind == "free":
-                ids = np.full(size, -1, np.int32)
-                ids[:len(items)] = items
-                self._timed(("free", size), free_program, self.manager, ids)
+                ids = _pad_rows(items, bucket(len(items), 4, row_cap))
+                self._timed(("free", ids.shape[0]), free_program, self.manager, ids)
+            elif kind == "fork":
+                pairs = _pad_rows(items, bucket(len(items), 4, row_cap), width=2)
+                self._timed(("fork", pairs.shape[0]), fork_program, self.manager, pairs[:, 0],
+                            pairs[:, 1])
+            elif kind in ("retain", "release"):
+                program = retain_program if kind == "retain" else release_program
+                for start in range(0, len(items), OP_CHUNK):
+                    part = items[start:start + OP_CHUNK]
+                    ids = _pad_rows(part, bucket(len(part), 4, OP_CHUNK))
+                    self._timed((kind, ids.shape[0]), program, self.manager, ids)
+            elif kind == "pop":
+                self._timed(("pop",), pop_program, self.manager, np.int32(items))
+            elif kind == "adopt":
+                self._adopt(items, row_cap)
+            elif kind == "swap_out":
+                self.swap_store.swap_out(self.cache, *items)
+            elif kind == "swap_in":
+                self.cache = self.swap_store.swap_in(self.cache, *items)
+            elif kind == "swap_drop":
+                self.swap_store.drop(items)
             else:
-                pairs = np.full((size, 2), -1, np.int32)
-                pairs[:len(items)] = items
-                self._timed(("fork", size), fork_program, self.manager, pairs[:, 0], pairs[:, 1])
+                raise ValueError(f"unknown block operation {kind!r}")
+
+    def _adopt(self, items, row_cap):
+        size = bucket(len(items), 4, row_cap)
+        seq_ids = np.full(size, -1, np.int32)
+        tables = np.full((size, self.max_blocks_per_seq), kv_cache.SINK_BLOCK, np.int32)
+        lengths = np.zeros(size, np.int32)
+        for row, (seq_id, blocks, length) in enumerate(items):
+            seq_ids[row], lengths[row] = seq_id, length
+            tables[row, :len(blocks)] = blocks
+        self._timed(("adopt", size), adopt_program, self.manager, seq_ids, tables, lengths)
 
     def _timed(self, key, fn, *args, **kwargs):
         is_new = key not in self.compiled_shapes
@@ -94,7 +149,7 @@ class ModelRunner:
             jax.block_until_ready(result)
             self.compiled_shapes.add(key)
             self.compile_seconds += time.perf_counter() - start
-        if key[0] in ("free", "fork"):
+        if key[0] in BLOCK_OPS:
             self.manager = result
         return result
 
@@ -189,6 +244,20 @@ class ModelRunner:
             top_ids=result.top_ids[:, :count], top_logprobs=result.top_logprobs[:, :count],
             done_at=result.done_at[:count])
 
+    def measure_prefill_seconds_per_token(self, repeats: int = 3) -> float:
+        """Device seconds per token of the largest prefill step (padding only, nothing changes),
+        best of `repeats` after one untimed call."""
+        from jpaged.sampling import SamplingParams, SamplingRow
+        size = self.max_num_batched_tokens
+        pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            self.execute([(-1, [0] * size)], [(0, pad_row)], 0)
+            best = min(best, time.perf_counter() - start)
+        self.num_padded_tokens = self.num_real_tokens = 0
+        return best / bucket(size, min(128, size), size)
+
     def bucket_sizes(self, floor: int, cap: int) -> list[int]:
         """Every bucket `bucket(n, floor, cap)` can return, smallest first."""
         return sorted({bucket(n, floor, cap) for n in range(1, cap + 1)})
@@ -197,7 +266,7 @@ class ModelRunner:
         """Compile every bucket shape now, with all-padding inputs that change no state.
 
         Decode loops for each batch bucket, mixed steps for each token bucket (each with and
-        without top logprobs), and the block-manager free/fork sizes.
+        without top logprobs), every block-operation size, and the swap transfers.
         """
         from jpaged.sampling import SamplingParams, SamplingRow
         from tqdm.auto import tqdm
@@ -209,8 +278,13 @@ class ModelRunner:
             for tokens in self.bucket_sizes(min(128, self.max_num_batched_tokens),
                                             self.max_num_batched_tokens):
                 jobs.append(("step", tokens, logprobs))
-        for kind in ("free", "fork"):
+        for kind in ("free", "fork", "adopt"):
             jobs += [(kind, size, 0) for size in self.bucket_sizes(4, max(4, self.max_num_seqs))]
+        for kind in ("retain", "release"):
+            jobs += [(kind, size, 0) for size in self.bucket_sizes(4, OP_CHUNK)]
+        jobs.append(("pop", 0, 0))
+        if self.swap_store is not None:
+            jobs.append(("swap", 0, 0))
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
         for kind, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
             if kind == "decode":
@@ -220,8 +294,10 @@ class ModelRunner:
             elif kind == "step":
                 # One padded row per token bucket: seq -1 appends nothing, writes are dropped.
                 self.execute([(-1, [0] * size)], [(0, pad_row)], logprobs)
-            else:  # padded ids: frees and forks of nothing
-                self.apply_ops([(kind, [-1] * size if kind == "free" else [(-1, -1)] * size)])
+            elif kind == "swap":
+                self.cache = self.swap_store.warmup(self.cache)
+            else:  # padding only: operations on nothing
+                self.apply_ops([_padding_op(kind, size)])
         self.num_padded_tokens = self.num_real_tokens = 0
 
     def _build_inputs(self, rows, sampling_rows):

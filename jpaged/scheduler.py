@@ -1,17 +1,27 @@
-"""Iteration-level scheduling on the host: admission, chunked prefill, decode, recompute
-preemption, and the block-manager operations each step needs.
+"""Iteration-level scheduling on the host: admission with prefix-cache hits, chunked prefill,
+decode, preemption (swap or recompute), and the block-manager operations each step needs.
 
 Every decision is taken against `HostBlockMirror`, which predicts the device allocator exactly, so
 scheduling never waits for the device. Each mirror operation is also queued (`pending_ops`) for
 the runner, which replays them on the device state in the same order before the step's appends;
-identical operation sequences keep both sides block-for-block identical.
+identical operation sequences keep both sides block-for-block identical. Operation kinds:
+("free", slots), ("fork", pairs), ("retain", blocks), ("release", blocks), ("pop", count),
+("adopt", [(slot, blocks, length)]), ("swap_out", (handle, blocks)), ("swap_in", (handle,
+blocks)), ("swap_drop", handle).
+
+Priority order each step: running requests (preempting victims when blocks run out), then
+swapped requests coming back, then waiting requests (only once nothing is swapped out).
 """
 
 import collections
 import dataclasses
+import itertools
 
 from jpaged.block_mirror import HostBlockMirror
-from jpaged.request import Request, Sequence, SequenceStatus
+from jpaged.prefix_cache import PrefixCache
+from jpaged.request import Request, Sequence, SequenceStatus, SwapRecord
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclasses.dataclass
@@ -44,19 +54,39 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS admission under token, sequence and block budgets; recompute preemption."""
+    """FCFS admission under token, sequence and block budgets; swap or recompute preemption.
+
+    prefix_cache: a PrefixCache, or None to share nothing. preemption_mode: "swap", "recompute"
+    or "auto" (`swap_policy(num_blocks, num_tokens)` says per victim whether swapping is cheaper;
+    recompute until one is set). num_swap_blocks: host blocks for swapped KV (0: never swap).
+    """
 
     def __init__(self, mirror: HostBlockMirror, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, watermark: float = 0.01):
+                 max_num_batched_tokens: int, watermark: float = 0.01,
+                 prefix_cache: PrefixCache | None = None, preemption_mode: str = "recompute",
+                 num_swap_blocks: int = 0):
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {preemption_mode!r}")
         self.mirror = mirror
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = int(watermark * mirror.num_blocks)
+        self.prefix_cache = prefix_cache
+        self.preemption_mode = preemption_mode
+        self.swap_policy = None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.swapped: collections.deque[Request] = collections.deque()
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.pending_ops: list[tuple[str, list]] = []   # ("free", slots) | ("fork", pairs)
+        self.num_swap_blocks = num_swap_blocks
+        self.free_host_blocks = list(range(num_swap_blocks - 1, -1, -1))
+        self.pending_ops: list[tuple[str, object]] = []
+        self._handles = itertools.count()
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request):
@@ -64,34 +94,47 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def abort(self, request_id: str) -> Request | None:
-        """Remove a request wherever it is and return its blocks at once."""
-        for request in list(self.waiting) + self.running:
-            if request.request_id == request_id:
-                if request in self.running:
-                    self.running.remove(request)
-                    self._release(request.sequences)
-                    self.free_slots.extend(request.reserved_slots)  # the unforked samples'
-                    request.reserved_slots = []
-                else:
-                    self.waiting.remove(request)
-                for seq in request.live_sequences:
-                    seq.finish_reason = "abort"
-                request.status = SequenceStatus.FINISHED
-                return request
+        """Remove a request wherever it is and return its blocks (device or host) at once."""
+        for queue in (self.running, self.waiting, self.swapped):
+            request = next((r for r in queue if r.request_id == request_id), None)
+            if request is None:
+                continue
+            queue.remove(request)
+            if queue is self.running:
+                self._release(request.sequences)
+                self.free_slots.extend(request.reserved_slots)  # the unforked samples'
+                request.reserved_slots = []
+            elif queue is self.swapped:
+                self._drop_swap(request)
+            for seq in request.live_sequences:
+                seq.finish_reason = "abort"
+            request.status = SequenceStatus.FINISHED
+            return request
         return None
 
     # ---- block-manager operations (mirror now, device later, same order) -------------------
-    def _release(self, sequences: list[Sequence]):
+    def _queue(self, kind: str, items):
+        self.pending_ops.append((kind, items))
+
+    def _mirror_free(self, slots: list[int]):
+        touched = self.mirror.free(slots)
+        if self.prefix_cache is not None:
+            self.prefix_cache.released(touched, self.mirror.refcounts)
+
+    def _release(self, sequences: list[Sequence], *, index: bool = True):
+        """Free sequences' blocks (their full blocks offered to the prefix cache first)."""
+        if index:
+            self._index(sequences)
         slots = [seq.slot for seq in sequences if seq.slot >= 0]
         if slots:
-            self.mirror.free(slots)
-            self.pending_ops.append(("free", slots))
+            self._mirror_free(slots)
+            self._queue("free", slots)
             self.free_slots.extend(reversed(slots))
         for seq in sequences:
-            seq.slot, seq.num_computed = -1, 0
+            seq.slot, seq.num_computed, seq.num_indexed = -1, 0, 0
 
     def finish(self, sequences: list[Sequence]):
         """Return finished sequences' blocks now (the caller has set their finish_reason)."""
@@ -102,7 +145,7 @@ class Scheduler:
         for seq in sequences:
             if seq.slot >= 0:
                 self.free_slots.append(seq.slot)
-            seq.slot, seq.num_computed = -1, 0
+            seq.slot, seq.num_computed, seq.num_indexed = -1, 0, 0
 
     def replay_decode_loop(self, rows: list[ScheduledRow], active: list[bool],
                            done_at: list[int], num_done: int, first_planned: bool):
@@ -120,19 +163,19 @@ class Scheduler:
             retired = [slot for slot, live, done in zip(slots, active, done_at)
                        if live and done == step]
             if retired:
-                self.mirror.free(retired)
+                self._mirror_free(retired)
 
     def queue_device_free(self, sequences: list[Sequence]):
         """Queue the device free of sequences whose mirror free comes later (pipelining)."""
         slots = [seq.slot for seq in sequences if seq.slot >= 0]
         if slots:
-            self.pending_ops.append(("free", slots))
+            self._queue("free", slots)
 
     def release_in_mirror(self, sequences: list[Sequence]):
         """The mirror half of a free already dispatched to the device, and the slots."""
         slots = [seq.slot for seq in sequences if seq.slot >= 0]
         if slots:
-            self.mirror.free(slots)
+            self._mirror_free(slots)
         self.release_slots(sequences)
 
     def fork(self, request: Request, children: list[Sequence]):
@@ -144,7 +187,7 @@ class Scheduler:
             child.num_computed = parent.num_computed
             pairs.append((parent.slot, child.slot))
         self.mirror.fork(pairs)
-        self.pending_ops.append(("fork", pairs))
+        self._queue("fork", pairs)
 
     def retire(self, request: Request):
         """Drop a finished request from the running set; unused reserved slots come back."""
@@ -153,23 +196,152 @@ class Scheduler:
         request.reserved_slots = []
         request.status = SequenceStatus.FINISHED
 
+    # ---- prefix cache -----------------------------------------------------------------------
+    def _index(self, sequences):
+        """Offer sequences' full, computed blocks to the prefix cache; the cache retains the ones
+        it indexes. Only called where the mirror is in step with the device for these sequences
+        (no decode loop in flight holds them)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        size, retained = self.mirror.block_size, []
+        for seq in sequences:
+            full = seq.num_computed // size
+            if seq.slot < 0 or seq.num_indexed >= full:
+                continue
+            table = self.mirror.tables[seq.slot]
+            keys = cache.keys_for(seq.token_ids, seq.block_keys, full)
+            for i in range(seq.num_indexed, full):
+                tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
+                if cache.insert(keys[i], table[i], table[i - 1] if i else None, tokens):
+                    retained.append(table[i])
+            seq.num_indexed = full
+        if retained:
+            self.mirror.retain(retained)
+            self._queue("retain", retained)
+
+    def _evict(self, count: int, protected=()) -> bool:
+        """Make `count` more blocks free by evicting cached ones; False (nothing evicted) if the
+        cache cannot."""
+        cache = self.prefix_cache
+        if count <= 0:
+            return True
+        if cache is None or cache.num_evictable(protected) < count:
+            return False
+        dropped = cache.evict(count, protected)
+        self.mirror.release(dropped)
+        self._queue("release", dropped)
+        return True
+
+    def _lookup(self, request: Request) -> list[list[int]]:
+        """Cached leading blocks per live sequence (at least one token is left to compute)."""
+        if self.prefix_cache is None:
+            return [[] for _ in request.live_sequences]
+        size = self.mirror.block_size
+        return [self.prefix_cache.match(seq.token_ids, seq.block_keys,
+                                        (len(seq.token_ids) - 1) // size)
+                for seq in request.live_sequences]
+
+    def _in_progress(self, request: Request, hits: list[list[int]]) -> bool:
+        """Would the request's next block be computed by another request in this very step?
+        Then it waits one step and shares it instead of computing it twice."""
+        size = self.mirror.block_size
+        for seq, seq_hits in zip(request.live_sequences, hits):
+            if (len(seq_hits) + 1) * size < len(seq.token_ids):
+                key = self.prefix_cache.keys_for(seq.token_ids, seq.block_keys,
+                                                 len(seq_hits) + 1)[-1]
+                if key in self._computing:
+                    return True
+        return False
+
+    def _note_computing(self, rows: list[ScheduledRow]):
+        if self.prefix_cache is None:
+            return
+        size = self.mirror.block_size
+        for row in rows:
+            full = (row.start + row.num_tokens) // size
+            if full > row.start // size:
+                keys = self.prefix_cache.keys_for(row.seq.token_ids, row.seq.block_keys, full)
+                self._computing.update(keys[row.start // size:])
+
+    # ---- preemption -------------------------------------------------------------------------
     def preempt(self, request: Request):
-        """Recompute preemption: drop the request's blocks, queue it first to be prefilled again
-        with its generated tokens."""
+        """Preempt a running request: swap its blocks to host memory when the mode (or, for
+        "auto", the swap policy) says so and host blocks suffice; otherwise drop them, to be
+        prefilled again with the generated tokens."""
         self.running.remove(request)
         live = request.live_sequences
-        request.num_recomputed_tokens += sum(seq.num_computed for seq in live)
-        self._release(request.sequences)
+        self._index(live)
+        blocks = self._distinct_blocks(live)
+        tokens = sum(seq.num_computed for seq in live)
+        if self._wants_swap(len(blocks), tokens) and len(blocks) <= len(self.free_host_blocks):
+            self._swap_out(request, live, blocks)
+        else:
+            request.num_recomputed_tokens += tokens
+            self.num_recomputed_tokens += tokens
+            self._release(request.sequences, index=False)
+            request.status = SequenceStatus.WAITING
+            self.waiting.appendleft(request)
         self.free_slots.extend(request.reserved_slots)
         request.reserved_slots = []
         request.num_preemptions += 1
-        request.status = SequenceStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+
+    def _wants_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        if self.preemption_mode == "swap":
+            return True
+        if self.preemption_mode == "auto" and self.swap_policy is not None:
+            return self.swap_policy(num_blocks, num_tokens)
+        return False
+
+    def _distinct_blocks(self, sequences) -> list[int]:
+        return list(dict.fromkeys(b for seq in sequences for b in self.mirror.tables[seq.slot]))
+
+    def _swap_out(self, request: Request, live: list[Sequence], blocks: list[int]):
+        host_ids = [self.free_host_blocks.pop() for _ in blocks]
+        position = {block: i for i, block in enumerate(blocks)}
+        request.swap = SwapRecord(
+            next(self._handles), host_ids,
+            {seq.index: [position[b] for b in self.mirror.tables[seq.slot]] for seq in live},
+            {seq.index: seq.num_computed for seq in live})
+        self._queue("swap_out", (request.swap.handle, blocks))
+        self.num_swapped_out_blocks += len(blocks)
+        slots = [seq.slot for seq in live]
+        self._mirror_free(slots)
+        self._queue("free", slots)
+        self.free_slots.extend(reversed(slots))
+        for seq in live:  # num_computed stays: decoding resumes where it stopped
+            seq.slot = -1
+            seq.num_indexed = seq.num_computed // self.mirror.block_size  # copies: not indexed
+        request.status = SequenceStatus.SWAPPED
+        self.swapped.append(request)
+
+    def _swap_in(self, request: Request):
+        """Bring a swapped request back: pop fresh blocks, give each sequence its table, copy
+        the host blocks in (one transfer)."""
+        record = request.swap
+        fresh = self.mirror.pop(len(record.host_ids))
+        self._queue("pop", len(fresh))
+        self._assign_slots(request, len(request.live_sequences) if request.is_forked
+                           else request.params.n)
+        items = [(seq.slot, [fresh[i] for i in record.tables[seq.index]],
+                  record.lengths[seq.index]) for seq in request.live_sequences]
+        self.mirror.adopt(items)
+        self._queue("adopt", items)
+        self._queue("swap_in", (record.handle, fresh))
+        self.num_swapped_in_blocks += len(fresh)
+        self.free_host_blocks.extend(record.host_ids)
+        request.swap = None
+
+    def _drop_swap(self, request: Request):
+        self._queue("swap_drop", request.swap.handle)
+        self.free_host_blocks.extend(request.swap.host_ids)
+        request.swap = None
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self._planned_blocks, self._holders = 0, {}
+        self._planned_blocks, self._holders, self._computing = 0, {}, set()
+        self._index([seq for r in self.running for seq in r.live_sequences])
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         budget = self.max_num_batched_tokens
@@ -184,19 +356,20 @@ class Scheduler:
                 if victim is request:
                     new_rows = []
             if request.status is SequenceStatus.RUNNING:
+                self._note_computing(new_rows)
                 rows += new_rows
                 budget -= sum(row.num_tokens for row in new_rows)
                 index += 1
-        while self.waiting and budget > 0 and not preempted:
-            request = self.waiting[0]
-            needed_slots = (request.params.n if not request.is_forked
-                            else len(request.live_sequences))
-            if len(self.free_slots) < needed_slots:
+        while self.swapped and budget > 0 and not preempted:
+            new_rows = self._resume_swapped(budget)
+            if new_rows is None:
                 break
-            new_rows = self._rows_for(request, budget)
-            if not new_rows or not self._reserve(new_rows, self.watermark_blocks):
+            rows += new_rows
+            budget -= sum(row.num_tokens for row in new_rows)
+        while self.waiting and budget > 0 and not preempted and not self.swapped:
+            new_rows = self._admit_waiting(budget)
+            if new_rows is None:
                 break
-            self._admit(request, needed_slots)
             rows += new_rows
             budget -= sum(row.num_tokens for row in new_rows)
         ok, _, _ = self.mirror.append([(row.seq.slot, row.num_tokens) for row in rows])
@@ -204,6 +377,65 @@ class Scheduler:
         for row in rows:
             row.seq.num_computed += row.num_tokens
         return SchedulerOutput(rows, preempted)
+
+    def _resume_swapped(self, budget: int) -> list[ScheduledRow] | None:
+        """Swap the first swapped request back in if its blocks, one more block per sequence
+        (plus a copy-on-write each) and its slots fit; its rows for this step."""
+        request = self.swapped[0]
+        live = request.live_sequences
+        needed_slots = len(live) if request.is_forked else request.params.n
+        need = len(request.swap.host_ids) + 2 * len(live)
+        if len(self.free_slots) < needed_slots or not self._room_for(need):
+            return None
+        self.swapped.popleft()
+        self._swap_in(request)
+        request.status = SequenceStatus.RUNNING
+        self.running.append(request)
+        self.running.sort(key=lambda r: r.arrival_index)
+        new_rows = self._rows_for(request, budget)
+        assert self._reserve(new_rows, 0), "room was checked before swapping in"
+        return new_rows
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledRow] | None:
+        request = self.waiting[0]
+        needed_slots = request.params.n if not request.is_forked else len(request.live_sequences)
+        if len(self.free_slots) < needed_slots:
+            return None
+        hits = self._lookup(request)
+        if self.prefix_cache is not None and self._in_progress(request, hits):
+            return None
+        size = self.mirror.block_size
+        for seq, seq_hits in zip(request.live_sequences, hits):
+            seq.num_computed = len(seq_hits) * size
+        new_rows = self._rows_for(request, budget)
+        protected = {block for seq_hits in hits for block in seq_hits}
+        if not new_rows or not self._reserve(new_rows, self.watermark_blocks, protected):
+            for seq in request.live_sequences:
+                seq.num_computed = 0
+            return None
+        self.waiting.popleft()
+        self._assign_slots(request, needed_slots)
+        self._adopt_hits(request, hits)
+        request.status = SequenceStatus.RUNNING
+        self.running.append(request)
+        self.running.sort(key=lambda r: r.arrival_index)
+        self._note_computing(new_rows)
+        return new_rows
+
+    def _adopt_hits(self, request: Request, hits: list[list[int]]):
+        size = self.mirror.block_size
+        items = [(seq.slot, seq_hits, len(seq_hits) * size)
+                 for seq, seq_hits in zip(request.live_sequences, hits) if seq_hits]
+        if self.prefix_cache is not None:
+            for seq, seq_hits in zip(request.live_sequences, hits):
+                self.prefix_cache.record_lookup(len(seq.token_ids), len(seq_hits) * size)
+                seq.num_indexed = len(seq_hits)
+            request.num_cached_tokens = len(hits[0]) * size
+        if items:
+            for _, blocks, _ in items:
+                self.prefix_cache.acquire(blocks)
+            self.mirror.adopt(items)
+            self._queue("adopt", items)
 
     def _rows_for(self, request: Request, budget: int) -> list[ScheduledRow]:
         rows = []
@@ -224,34 +456,35 @@ class Scheduler:
             budget -= count
         return rows
 
-    def _reserve(self, new_rows: list[ScheduledRow], reserve: int) -> bool:
+    def _room_for(self, blocks: int, reserve: int = 0, protected=()) -> bool:
+        """Can `blocks` more blocks than already planned be served, evicting cached blocks if
+        needed (and only if that is enough)?"""
+        deficit = self._planned_blocks + blocks - (self.mirror.num_free - reserve)
+        return deficit <= 0 or self._evict(deficit, protected)
+
+    def _reserve(self, new_rows: list[ScheduledRow], reserve: int, protected=()) -> bool:
         """Add new_rows' blocks to this step's plan if the pool (less `reserve`) can serve them.
 
         Costed incrementally: earlier rows' blocks and shared-block holders carry over, so a step
-        costs O(rows), not O(rows^2). Sequences without a slot yet append onto an empty table.
+        costs O(rows), not O(rows^2). Sequences without a slot yet append onto an empty table
+        (or onto their cached blocks, which end on a block boundary).
         """
         holders = dict(self._holders)
         known = [(row.seq.slot, row.num_tokens) for row in new_rows if row.seq.slot >= 0]
         needed = self.mirror.blocks_needed(known, holders)
         block_size = self.mirror.block_size
         needed += sum(-(-row.num_tokens // block_size) for row in new_rows if row.seq.slot < 0)
-        if self._planned_blocks + needed > self.mirror.num_free - reserve:
+        if not self._room_for(needed, reserve, protected):
             return False
         self._planned_blocks += needed
         self._holders = holders
         return True
 
-    def _admit(self, request: Request, needed_slots: int):
-        self.waiting.popleft()
+    def _assign_slots(self, request: Request, needed_slots: int):
         slots = [self.free_slots.pop() for _ in range(needed_slots)]
-        live = request.live_sequences
-        for seq in live:
+        for seq in request.live_sequences:
             seq.slot = slots.pop(0)
-            seq.num_computed = 0
         request.reserved_slots = slots          # the children's, forked once the prompt is done
-        request.status = SequenceStatus.RUNNING
-        self.running.append(request)
-        self.running.sort(key=lambda r: r.arrival_index)
 
     def _pick_victim(self, index: int) -> Request:
         """Lowest priority, then latest arrival, among requests not yet scheduled this step (the

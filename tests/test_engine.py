@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_in_one_continuous_batch(hf_checkpoints, nam
 
 def test_late_arrivals_join_the_next_step_and_blocks_return_at_once(hf_checkpoints):
     engine = engine_for(hf_checkpoints["llama_gqa"])
-    total_free = engine.mirror.num_free
+    total_free = engine.num_free_blocks
     engine.add_request("a", prompt_token_ids=prompts_of([20])[0],
                        params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     engine.step()
@@ -82,11 +82,11 @@ def test_late_arrivals_join_the_next_step_and_blocks_return_at_once(hf_checkpoin
                 if output.request_id == "a":
                     blocks_of_b = -(-(5 + len(schedule_ids) - 1) // 16)
                     # a's blocks are back the moment it finishes; only b holds blocks now.
-                    assert engine.mirror.num_free == total_free - blocks_of_b
+                    assert engine.num_free_blocks == total_free - blocks_of_b
     assert schedule_ids[0] == {"a", "b"}  # b prefilled in the very next step, beside a's decode
     assert finished_at["a"] < finished_at["b"]
-    assert engine.mirror.num_free == total_free
-    assert int(engine.runner.manager.num_free) == total_free
+    assert engine.num_free_blocks == total_free
+    assert int(engine.runner.manager.num_free) == engine.mirror.num_free
 
 
 def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(hf_checkpoints):
@@ -100,7 +100,7 @@ def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(hf_checkpoints
     while engine.has_unfinished():
         for output in engine.step():
             outputs[output.request_id] = output
-        used.append(engine.mirror.num_blocks - 1 - engine.mirror.num_free)
+        used.append(engine.mirror.num_blocks - 1 - engine.num_free_blocks)
     # Four separate requests would hold 4 x ceil(45 / 16) = 12 blocks; forks share the 2 full
     # prompt blocks and copy only the partial one.
     assert max(used) == 2 + 4 * 1
@@ -116,7 +116,8 @@ def test_small_pool_preempts_and_gives_the_same_greedy_outputs(hf_checkpoints):
     prompts = prompts_of([30, 25, 20, 35, 12, 28], seed=4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     big = LLM(path, num_kv_blocks=128, max_model_len=128, max_num_seqs=8)
-    small = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8)
+    small = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8,
+                preemption_mode="recompute")
     expected = big.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     got = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
@@ -194,7 +195,7 @@ def test_stop_string_truncates_text(hf_checkpoints):
 def test_abort_frees_blocks_and_others_carry_on(hf_checkpoints):
     path = hf_checkpoints["llama_gqa"]
     engine = engine_for(path)
-    total = engine.mirror.num_free
+    total = engine.num_free_blocks
     prompts = prompts_of([20, 10], seed=8)
     engine.add_request("keep", prompt_token_ids=prompts[0], params=GREEDY)
     engine.add_request("drop", prompt_token_ids=prompts[1], params=GREEDY)
@@ -205,8 +206,8 @@ def test_abort_frees_blocks_and_others_carry_on(hf_checkpoints):
     outputs = run_to_completion(engine)
     assert list(outputs) == ["keep"]
     assert outputs["keep"].outputs[0].token_ids == hf_greedy(path, tuple(prompts[0]), 12)
-    assert engine.mirror.num_free == total
-    assert int(engine.runner.manager.num_free) == total
+    assert engine.num_free_blocks == total
+    assert int(engine.runner.manager.num_free) == engine.mirror.num_free
 
 
 def test_bad_input_is_rejected_before_anything_runs(hf_checkpoints):
@@ -272,4 +273,4 @@ def test_abort_returns_reserved_sample_slots(hf_checkpoints):
     assert len(eng.scheduler.free_slots) == 1
     assert eng.abort("n3")
     assert len(eng.scheduler.free_slots) == 4
-    assert eng.mirror.num_free == eng.config.num_kv_blocks - 1
+    assert eng.num_free_blocks == eng.config.num_kv_blocks - 1

@@ -19,6 +19,11 @@ ROWS, MAX_TOKENS = 4, 9
 append_jit = jax.jit(functools.partial(memory.append_tokens, max_tokens=MAX_TOKENS))
 free_jit = jax.jit(memory.free_seqs)
 fork_jit = jax.jit(memory.fork_seqs)
+retain_jit = jax.jit(memory.retain_blocks)
+release_jit = jax.jit(memory.release_blocks)
+pop_jit = jax.jit(memory.pop_blocks)
+adopt_jit = jax.jit(memory.adopt_blocks)
+scatter_jit = jax.jit(kv_cache.scatter_blocks)
 
 
 @jax.jit
@@ -41,6 +46,15 @@ operation = st.one_of(
                                          st.integers(0, MAX_SEQS - 1))),
     st.tuples(st.just("free"), st.lists(st.integers(0, MAX_SEQS - 1), min_size=1,
                                         max_size=ROWS, unique=True)),
+    # The prefix cache's extra reference on a full block, its release, a hit (an empty sequence
+    # adopting retained blocks) and a swap-in (popped blocks adopted, then filled by scatter).
+    st.tuples(st.just("retain"), st.tuples(st.integers(0, MAX_SEQS - 1),
+                                           st.integers(0, MAX_BLOCKS - 1))),
+    st.tuples(st.just("release"), st.integers(0, 100)),
+    st.tuples(st.just("adopt"), st.tuples(st.integers(0, MAX_SEQS - 1), st.integers(0, 100),
+                                          st.integers(1, 3))),
+    st.tuples(st.just("swap_in"), st.tuples(st.integers(0, MAX_SEQS - 1),
+                                            st.integers(1, MAX_BLOCKS * BLOCK_SIZE))),
 )
 
 
@@ -55,7 +69,7 @@ def check_against_mirror(state, mirror: HostBlockMirror):
         assert list(tables[seq_id]) == mirror.padded_table(seq_id)
 
 
-def check_invariants(state):
+def check_invariants(state, retained=()):
     refcounts = np.asarray(state.refcounts)
     num_free = int(state.num_free)
     free = np.asarray(state.free_stack[:num_free])
@@ -70,6 +84,8 @@ def check_invariants(state):
         # At most one partly filled block: exactly ceil(len / S) entries, the rest is the sink.
         assert np.all(tables[seq_id, num_owned:] == kv_cache.SINK_BLOCK)
     owners[kv_cache.SINK_BLOCK] = 1
+    for block in retained:  # references held outside any table (the prefix cache's)
+        owners[block] += 1
     np.testing.assert_array_equal(owners, refcounts)  # shared exactly as often as counted
     assert num_free + int(np.sum(refcounts[1:] > 0)) == NUM_BLOCKS - 1
 
@@ -95,9 +111,18 @@ def run_operations(operations):
     state, cache = initial_state_and_cache()
     mirror = HostBlockMirror(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS)
     histories: dict[int, list[float]] = {}
+    retained: list[tuple[int, list[float]]] = []   # (block, its values) with an extra reference
     next_value = 1.0
     for kind, args in operations:
         before = state
+        if kind in ("retain", "release", "adopt", "swap_in"):
+            state, cache, next_value = run_cache_operation(
+                kind, args, state, cache, mirror, histories, retained, next_value)
+            host_state = jax.device_get(state)
+            check_against_mirror(host_state, mirror)
+            check_invariants(host_state, [block for block, _ in retained])
+            check_contents(cache, host_state, histories)
+            continue
         if kind == "append":
             seq_ids = padded([s for s, _ in args], -1)
             counts = padded([n for _, n in args], 0)
@@ -139,8 +164,54 @@ def run_operations(operations):
                 histories.pop(seq_id, None)
         host_state = jax.device_get(state)
         check_against_mirror(host_state, mirror)
-        check_invariants(host_state)
+        check_invariants(host_state, [block for block, _ in retained])
         check_contents(cache, host_state, histories)
+
+
+def run_cache_operation(kind, args, state, cache, mirror, histories, retained, next_value):
+    """The prefix-cache and swap operations: retain/release/adopt, pop + adopt + scatter."""
+    if kind == "retain":
+        seq_id, index = args
+        if (index + 1) * BLOCK_SIZE <= mirror.seq_lens[seq_id]:  # only full blocks are cached
+            block = mirror.tables[seq_id][index]
+            state = retain_jit(state, jnp.asarray(padded([block], -1)))
+            mirror.retain([block])
+            retained.append((block, histories[seq_id][index * BLOCK_SIZE:
+                                                      (index + 1) * BLOCK_SIZE]))
+    elif kind == "release" and retained:
+        block, _ = retained.pop(args % len(retained))
+        state = release_jit(state, jnp.asarray(padded([block], -1)))
+        mirror.release([block])
+    elif kind == "adopt" and retained and mirror.seq_lens[args[0]] == 0:
+        seq_id, first, count = args
+        distinct = list({block: (block, values) for block, values in retained}.values())
+        chosen = [distinct[(first + i) % len(distinct)] for i in range(min(count, len(distinct)))]
+        count = len(chosen)
+        blocks = [block for block, _ in chosen]
+        table = np.full((ROWS, MAX_BLOCKS), kv_cache.SINK_BLOCK, np.int32)
+        table[0, :count] = blocks
+        state = adopt_jit(state, jnp.asarray(padded([seq_id], -1)), jnp.asarray(table),
+                          jnp.asarray(padded([count * BLOCK_SIZE], 0)))
+        mirror.adopt([(seq_id, blocks, count * BLOCK_SIZE)])
+        histories[seq_id] = [value for _, values in chosen for value in values]
+    elif kind == "swap_in" and mirror.seq_lens[args[0]] == 0:
+        seq_id, length = args
+        count = -(-length // BLOCK_SIZE)
+        if count > mirror.num_free:
+            return state, cache, next_value
+        state = pop_jit(state, jnp.int32(count))
+        blocks = mirror.pop(count)
+        table = np.full((ROWS, MAX_BLOCKS), kv_cache.SINK_BLOCK, np.int32)
+        table[0, :count] = blocks
+        state = adopt_jit(state, jnp.asarray(padded([seq_id], -1)), jnp.asarray(table),
+                          jnp.asarray(padded([length], 0)))
+        mirror.adopt([(seq_id, blocks, length)])
+        values = np.arange(next_value, next_value + count * BLOCK_SIZE, dtype=np.float32)
+        next_value += count * BLOCK_SIZE
+        data = jnp.asarray(values.reshape(1, 1, count, BLOCK_SIZE, 1))
+        cache = scatter_jit(cache, jnp.asarray(blocks, jnp.int32), data, data)
+        histories[seq_id] = values[:length].tolist()
+    return state, cache, next_value
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -186,7 +186,7 @@ def test_no_compilation_after_warmup_over_300_mixed_requests(hf_checkpoints, tmp
 def test_strict_compilation_refuses_a_new_shape(hf_checkpoints):
     eng = LLMEngine.from_pretrained(hf_checkpoints["llama_gqa"], num_kv_blocks=32,
                                     max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                                    warmup=False)
+                                    warmup=False, preemption_mode="recompute")
     eng.runner.strict_compilation = True
     eng.add_request("r", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="strict"):
@@ -237,5 +237,5 @@ def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints)
     assert outputs["stop"].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert outputs["free"].outputs[0].token_ids == expected[1].outputs[0].token_ids
     assert "abort" not in outputs
-    assert eng.mirror.num_free == 63
+    assert eng.num_free_blocks == 63
     assert_mirror_matches_device(eng)
