@@ -379,12 +379,16 @@ class Scheduler:
         return SchedulerOutput(rows, preempted)
 
     def _resume_swapped(self, budget: int) -> list[ScheduledRow] | None:
-        """Swap the first swapped request back in if its blocks, one more block per sequence
-        (plus a copy-on-write each) and its slots fit; its rows for this step."""
+        """Swap the first swapped request back in if its blocks, the blocks of its rows for this
+        step (a copy-on-write each at most) and its slots fit; its rows for this step."""
         request = self.swapped[0]
         live = request.live_sequences
         needed_slots = len(live) if request.is_forked else request.params.n
-        need = len(request.swap.host_ids) + 2 * len(live)
+        size = self.mirror.block_size
+        new_rows = self._rows_for(request, budget)
+        need = len(request.swap.host_ids) + sum(
+            -(-(row.start + row.num_tokens) // size) - (-(-row.start // size)) + 1
+            for row in new_rows)
         if len(self.free_slots) < needed_slots or not self._room_for(need):
             return None
         self.swapped.popleft()
@@ -392,7 +396,6 @@ class Scheduler:
         request.status = SequenceStatus.RUNNING
         self.running.append(request)
         self.running.sort(key=lambda r: r.arrival_index)
-        new_rows = self._rows_for(request, budget)
         assert self._reserve(new_rows, 0), "room was checked before swapping in"
         return new_rows
 

@@ -2,6 +2,7 @@
 device block manager, against K = 1, other batch mixes, and the host mirror."""
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 import pytest
 
@@ -162,6 +163,14 @@ def test_num_scheduler_steps_validated(hf_checkpoints, bad):
 def test_no_compilation_after_warmup_over_300_mixed_requests(hf_checkpoints, tmp_path):
     """Strict mode: warm-up compiles every bucket; a 300-request mixed run (prefills, chunks,
     decode loops, n > 1 forks, logprobs, stops, frees) then compiles nothing."""
+    try:
+        check_no_compilation_after_warmup(hf_checkpoints, tmp_path)
+    finally:  # the persistent cache is process-wide: later tests must not write to it
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+
+
+def check_no_compilation_after_warmup(hf_checkpoints, tmp_path):
     eng = LLMEngine.from_pretrained(
         hf_checkpoints["llama_gqa"], num_kv_blocks=128, max_model_len=128, max_num_seqs=16,
         max_num_batched_tokens=64, num_scheduler_steps=4, warmup=True, strict_compilation=True,
@@ -180,7 +189,6 @@ def test_no_compilation_after_warmup_over_300_mixed_requests(hf_checkpoints, tmp
     assert eng.stats()["num_compilations"] == compiled
     assert eng.stats()["num_free_blocks"] == 127
     assert any((tmp_path / "xla_cache").iterdir())  # the persistent cache was written
-    jax.config.update("jax_compilation_cache_dir", None)
 
 
 def test_strict_compilation_refuses_a_new_shape(hf_checkpoints):

@@ -99,6 +99,23 @@ def test_full_swap_space_falls_back_to_recompute(hf_checkpoints, expected):
     assert_nothing_held(llm.engine)
 
 
+def test_swapped_mid_prefill_resumes_its_chunks(hf_checkpoints):
+    """Long prompts prefilled in 16-token chunks on a pool far too small: requests are swapped
+    out between chunks and finish their prefill after coming back."""
+    path = hf_checkpoints["llama_gqa"]
+    prompts = prompts_of([90, 75, 60, 84], seed=21)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
+    expected = LLM(path, num_kv_blocks=64, **options).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    llm = LLM(path, num_kv_blocks=9, preemption_mode="swap", enable_prefix_caching=False,
+              **options)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert llm.stats()["num_swapped_out_blocks"] > 0
+    assert_nothing_held(llm.engine)
+
+
 def test_auto_policy_compares_transfer_and_prefill_costs(hf_checkpoints):
     engine = LLMEngine.from_pretrained(hf_checkpoints["llama_gqa"], num_kv_blocks=32,
                                        max_model_len=128, max_num_seqs=4)
