@@ -243,8 +243,7 @@ class ServingMetrics:
     """Prometheus metrics, vLLM's names where vLLM has one (`vllm:`), else `jpaged:`.
 
     Gauges and counters are read from the engine thread's latest stats snapshot at scrape time;
-    the latency histograms are observed by the engine thread as outputs arrive. Swapping and
-    prefix caching are not implemented yet: their metrics are reported as 0.
+    the latency histograms are observed by the engine thread as outputs arrive.
     """
 
     def __init__(self, async_engine: AsyncEngine):
@@ -292,12 +291,14 @@ class _SnapshotCollector:
             ("vllm:num_requests_running", "Requests in the running batch", stats["num_running"]),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled",
              stats["num_waiting"]),
-            ("vllm:num_requests_swapped", "Requests swapped to the host (swap not implemented)",
-             0),
+            ("vllm:num_requests_swapped", "Requests whose KV blocks are swapped to the host",
+             stats["num_swapped"]),
             ("vllm:gpu_cache_usage_perc", "Fraction of KV blocks in use (1 = full)",
              stats["num_used_blocks"] / usable if usable else 0.0),
-            ("vllm:gpu_prefix_cache_hit_rate", "Prefix-cache hit rate (prefix caching not "
-             "implemented)", 0.0),
+            ("vllm:gpu_prefix_cache_hit_rate", "Prefix-cache hit rate (hit tokens / looked-up "
+             "prompt tokens)", stats["prefix_cache_hit_rate"]),
+            ("jpaged:num_kv_blocks_cached", "KV blocks indexed by the prefix cache (held by "
+             "requests or evictable)", stats["num_cached_blocks"]),
             ("jpaged:num_kv_blocks_used", "KV blocks held by requests", stats["num_used_blocks"]),
             ("jpaged:num_kv_blocks_free", "KV blocks free", stats["num_free_blocks"]),
             ("jpaged:num_kv_blocks_total", "KV blocks in the pool (the sink block excluded)",
@@ -309,6 +310,14 @@ class _SnapshotCollector:
             yield family
         counters = [
             ("vllm:num_preemptions", "Preemptions since start", stats["num_preemptions"]),
+            ("jpaged:swapped_out_blocks", "KV blocks swapped to the host since start",
+             stats["num_swapped_out_blocks"]),
+            ("jpaged:swap_out_bytes", "Bytes swapped to the host since start",
+             stats["swap_bytes_out"]),
+            ("jpaged:swap_in_bytes", "Bytes swapped back from the host since start",
+             stats["swap_bytes_in"]),
+            ("jpaged:recomputed_tokens", "Tokens prefilled again after recompute preemption",
+             stats["num_recomputed_tokens"]),
             ("vllm:generation_tokens", "Generated tokens since start",
              stats["num_generated_tokens"]),
             ("vllm:prompt_tokens", "Prompt tokens of accepted requests since start",

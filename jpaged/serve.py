@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jpaged import openai_api as api
 from jpaged.async_engine import AsyncEngine, EngineError, RequestGroup
 from jpaged.engine import LLMEngine
-from jpaged.engine_config import ATTENTION_BACKENDS, default_model_dir
+from jpaged.engine_config import ATTENTION_BACKENDS, PREEMPTION_MODES, default_model_dir
 from jpaged.models.loader import LOAD_FORMATS
 
 DEFAULT_MODEL_NAME = "jpaged-default"
@@ -51,12 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt + output (default: the model's limit)")
     add("--max-num-batched-tokens", type=int, default=None,
         help="most tokens in one step (default: max(2048, block size))")
-    add("--preemption-mode", default="recompute",
-        help="what to do when KV blocks run out: recompute (supported) or swap (not yet)")
-    add("--swap-space", type=float, default=0.0,
-        help="GiB of host memory for swapped KV blocks per device; only 0 is supported yet")
-    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-        help="reuse KV blocks of shared prompt prefixes (not supported yet)")
+    add("--preemption-mode", default="auto", choices=PREEMPTION_MODES,
+        help="when KV blocks run out, a victim's blocks are swapped to host memory (swap), "
+             "dropped and prefilled again later (recompute), or whichever the start-up measured "
+             "transfer and prefill rates say is cheaper for that victim (auto)")
+    add("--swap-space", type=float, default=4.0,
+        help="GiB of host memory for swapped-out KV blocks (0: never swap)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV blocks of prompt prefixes already computed (automatic prefix "
+             "caching)")
     add("--load-format", default="auto", choices=LOAD_FORMATS,
         help="auto: the weights in --model; dummy: random weights of the config's shapes "
              "(the directory needs only config.json, plus tokenizer.json for text), for "
@@ -79,18 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Parse flags; a flag the engine cannot honour yet exits with an error naming it."""
+    """Parse flags; a value the engine cannot use exits with an error naming the flag."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.preemption_mode != "recompute":
-        parser.error(f"argument --preemption-mode: {args.preemption_mode!r} is not supported "
-                     "(only 'recompute' is implemented; swap is not yet)")
-    if args.swap_space != 0:
-        parser.error(f"argument --swap-space: {args.swap_space} GiB requested, but swapping is "
-                     "not implemented yet; use 0")
-    if args.enable_prefix_caching:
-        parser.error("argument --enable-prefix-caching: prefix caching is not implemented yet; "
-                     "use --no-enable-prefix-caching")
+    if not 0 <= args.swap_space < float("inf"):
+        parser.error(f"argument --swap-space: must be a non-negative number of GiB, got "
+                     f"{args.swap_space}")
+    if args.preemption_mode == "swap" and args.swap_space == 0:
+        parser.error("argument --preemption-mode: 'swap' needs --swap-space > 0")
     return args
 
 
@@ -104,7 +103,9 @@ def engine_options(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                 num_scheduler_steps=args.num_scheduler_steps,
                 async_scheduling=args.async_scheduling,
-                compilation_cache_dir=args.compilation_cache_dir)
+                compilation_cache_dir=args.compilation_cache_dir,
+                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def model_info(engine: LLMEngine, model_dir, name: str) -> api.ModelInfo:

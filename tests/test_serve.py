@@ -388,10 +388,11 @@ def test_help_documents_every_flag(capsys):
     assert "127.0.0.1" in text
 
 
-@pytest.mark.parametrize("argv,flag", [(["--preemption-mode", "swap"], "--preemption-mode"),
-                                       (["--swap-space", "4"], "--swap-space"),
-                                       (["--enable-prefix-caching"], "--enable-prefix-caching")])
-def test_unsupported_flags_fail_at_startup_naming_the_flag(capsys, argv, flag):
+@pytest.mark.parametrize("argv,flag", [(["--preemption-mode", "evict"], "--preemption-mode"),
+                                       (["--preemption-mode", "swap", "--swap-space", "0"],
+                                        "--preemption-mode"),
+                                       (["--swap-space", "-1"], "--swap-space")])
+def test_bad_flag_values_fail_at_startup_naming_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as exit_info:
         serve.parse_args(argv)
     assert exit_info.value.code == 2
@@ -403,8 +404,14 @@ def test_flags_reach_the_engine_options():
                              "--max-model-len", "100", "--dtype", "bfloat16", "--seed", "5",
                              "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
                              "--num-scheduler-steps", "4", "--async-scheduling",
-                             "--load-format", "dummy"])
+                             "--load-format", "dummy", "--preemption-mode", "swap",
+                             "--swap-space", "2.5"])
     options = serve.engine_options(args)
+    assert (options["preemption_mode"], options["swap_space"],
+            options["enable_prefix_caching"]) == ("swap", 2.5, False)
+    defaults = serve.engine_options(serve.parse_args([]))
+    assert (defaults["preemption_mode"], defaults["swap_space"],
+            defaults["enable_prefix_caching"]) == ("auto", 4.0, True)
     assert (options["block_size"], options["num_kv_blocks"], options["max_num_seqs"],
             options["max_model_len"], options["dtype"], options["seed"],
             options["gpu_memory_utilization"]) == (8, 99, 3, 100, "bfloat16", 5, 0.5)
