@@ -196,6 +196,9 @@ class _Driver:
         self.params = params
         self.keep = keep
         self.sampling = SamplingParams(temperature=0.0, max_tokens=1, logprobs=keep)
+        ledger = engine.scheduler.ledger   # idle engine: cached blocks nobody holds go back
+        ledger.evict(ledger.num_evictable())
+        engine._flush_block_ops()
         self.pool = engine.mirror.num_free
         self.active: list[_Search] = []
 
@@ -351,9 +354,9 @@ def _new_search(engine, prompt, params: BeamSearchParams, eos: frozenset) -> _Se
                          f"{config.max_model_len} (the prompt plus one generated token must fit)")
     max_new = min(params.max_tokens, config.max_model_len - len(token_ids))
     blocks = max_blocks(len(token_ids), max_new, params.beam_width, config.block_size)
-    if blocks > engine.mirror.num_free:
+    if blocks > engine.num_free_blocks:
         raise ValueError(f"its {params.beam_width} beams need up to {blocks} KV blocks but only "
-                         f"{engine.mirror.num_free} are free")
+                         f"{engine.num_free_blocks} are free")
     rule = SelectionRule(params.beam_width, params.length_penalty, eos, max_new)
     return _Search(text, token_ids, rule, blocks)
 

@@ -16,9 +16,12 @@ class LLM:
 
     LLM(model=None, *, dtype="auto", block_size=16, num_kv_blocks=None,
         gpu_memory_utilization=0.9, max_num_seqs=256, max_model_len=None,
-        max_num_batched_tokens=None, seed=0, attention_backend="auto", kv_cache_dtype="auto")
+        max_num_batched_tokens=None, seed=0, attention_backend="auto", kv_cache_dtype="auto",
+        num_scheduler_steps=1, async_scheduling=False, warmup=None, strict_compilation=False,
+        compilation_cache_dir=None, enable_prefix_caching=True, preemption_mode="auto",
+        swap_space=4.0, load_format="auto")
     `model` is a Hugging Face directory; None loads the built-in model. `num_kv_blocks` fixes the
-    pool size exactly and overrides memory-based sizing.
+    pool size exactly and overrides memory-based sizing. See the README for each option.
     """
 
     def __init__(self, model=None, **options):

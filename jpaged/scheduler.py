@@ -2,12 +2,8 @@
 decode, preemption (swap or recompute), and the block-manager operations each step needs.
 
 Every decision is taken against `HostBlockMirror`, which predicts the device allocator exactly, so
-scheduling never waits for the device. Each mirror operation is also queued (`pending_ops`) for
-the runner, which replays them on the device state in the same order before the step's appends;
-identical operation sequences keep both sides block-for-block identical. Operation kinds:
-("free", slots), ("fork", pairs), ("retain", blocks), ("release", blocks), ("pop", count),
-("adopt", [(slot, blocks, length)]), ("swap_out", (handle, blocks)), ("swap_in", (handle,
-blocks)), ("swap_drop", handle).
+scheduling never waits for the device; the `BlockLedger` applies each block operation to the
+mirror and queues it for the device in the same order (`pending_ops`).
 
 Priority order each step: running requests (preempting victims when blocks run out), then
 swapped requests coming back, then waiting requests (only once nothing is swapped out).
@@ -15,11 +11,11 @@ swapped requests coming back, then waiting requests (only once nothing is swappe
 
 import collections
 import dataclasses
-import itertools
 
+from jpaged.block_ledger import BlockLedger
 from jpaged.block_mirror import HostBlockMirror
 from jpaged.prefix_cache import PrefixCache
-from jpaged.request import Request, Sequence, SequenceStatus, SwapRecord
+from jpaged.request import Request, Sequence, SequenceStatus
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 
@@ -69,24 +65,32 @@ class Scheduler:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {preemption_mode!r}")
         self.mirror = mirror
+        self.ledger = BlockLedger(mirror, prefix_cache=prefix_cache,
+                                  num_swap_blocks=num_swap_blocks)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = int(watermark * mirror.num_blocks)
-        self.prefix_cache = prefix_cache
         self.preemption_mode = preemption_mode
         self.swap_policy = None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.swapped: collections.deque[Request] = collections.deque()
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.num_swap_blocks = num_swap_blocks
-        self.free_host_blocks = list(range(num_swap_blocks - 1, -1, -1))
-        self.pending_ops: list[tuple[str, object]] = []
-        self._handles = itertools.count()
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.ledger.prefix_cache
+
+    @property
+    def pending_ops(self) -> list:
+        """Block operations decided but not yet replayed on the device (see BlockLedger)."""
+        return self.ledger.pending_ops
+
+    @pending_ops.setter
+    def pending_ops(self, ops: list):
+        self.ledger.pending_ops = ops
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request):
@@ -108,7 +112,7 @@ class Scheduler:
                 self.free_slots.extend(request.reserved_slots)  # the unforked samples'
                 request.reserved_slots = []
             elif queue is self.swapped:
-                self._drop_swap(request)
+                self.ledger.drop_swap(request)
             for seq in request.live_sequences:
                 seq.finish_reason = "abort"
             request.status = SequenceStatus.FINISHED
@@ -116,23 +120,13 @@ class Scheduler:
         return None
 
     # ---- block-manager operations (mirror now, device later, same order) -------------------
-    def _queue(self, kind: str, items):
-        self.pending_ops.append((kind, items))
-
-    def _mirror_free(self, slots: list[int]):
-        touched = self.mirror.free(slots)
-        if self.prefix_cache is not None:
-            self.prefix_cache.released(touched, self.mirror.refcounts)
-
     def _release(self, sequences: list[Sequence], *, index: bool = True):
         """Free sequences' blocks (their full blocks offered to the prefix cache first)."""
         if index:
-            self._index(sequences)
+            self.ledger.index(sequences)
         slots = [seq.slot for seq in sequences if seq.slot >= 0]
-        if slots:
-            self._mirror_free(slots)
-            self._queue("free", slots)
-            self.free_slots.extend(reversed(slots))
+        self.ledger.free(slots)
+        self.free_slots.extend(reversed(slots))
         for seq in sequences:
             seq.slot, seq.num_computed, seq.num_indexed = -1, 0, 0
 
@@ -163,19 +157,19 @@ class Scheduler:
             retired = [slot for slot, live, done in zip(slots, active, done_at)
                        if live and done == step]
             if retired:
-                self._mirror_free(retired)
+                self.ledger.free_in_mirror(retired)
 
     def queue_device_free(self, sequences: list[Sequence]):
         """Queue the device free of sequences whose mirror free comes later (pipelining)."""
         slots = [seq.slot for seq in sequences if seq.slot >= 0]
         if slots:
-            self._queue("free", slots)
+            self.ledger.queue("free", slots)
 
     def release_in_mirror(self, sequences: list[Sequence]):
         """The mirror half of a free already dispatched to the device, and the slots."""
         slots = [seq.slot for seq in sequences if seq.slot >= 0]
         if slots:
-            self._mirror_free(slots)
+            self.ledger.free_in_mirror(slots)
         self.release_slots(sequences)
 
     def fork(self, request: Request, children: list[Sequence]):
@@ -186,8 +180,7 @@ class Scheduler:
             child.slot = request.reserved_slots.pop()
             child.num_computed = parent.num_computed
             pairs.append((parent.slot, child.slot))
-        self.mirror.fork(pairs)
-        self._queue("fork", pairs)
+        self.ledger.fork(pairs)
 
     def retire(self, request: Request):
         """Drop a finished request from the running set; unused reserved slots come back."""
@@ -196,52 +189,7 @@ class Scheduler:
         request.reserved_slots = []
         request.status = SequenceStatus.FINISHED
 
-    # ---- prefix cache -----------------------------------------------------------------------
-    def _index(self, sequences):
-        """Offer sequences' full, computed blocks to the prefix cache; the cache retains the ones
-        it indexes. Only called where the mirror is in step with the device for these sequences
-        (no decode loop in flight holds them)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        size, retained = self.mirror.block_size, []
-        for seq in sequences:
-            full = seq.num_computed // size
-            if seq.slot < 0 or seq.num_indexed >= full:
-                continue
-            table = self.mirror.tables[seq.slot]
-            keys = cache.keys_for(seq.token_ids, seq.block_keys, full)
-            for i in range(seq.num_indexed, full):
-                tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
-                if cache.insert(keys[i], table[i], table[i - 1] if i else None, tokens):
-                    retained.append(table[i])
-            seq.num_indexed = full
-        if retained:
-            self.mirror.retain(retained)
-            self._queue("retain", retained)
-
-    def _evict(self, count: int, protected=()) -> bool:
-        """Make `count` more blocks free by evicting cached ones; False (nothing evicted) if the
-        cache cannot."""
-        cache = self.prefix_cache
-        if count <= 0:
-            return True
-        if cache is None or cache.num_evictable(protected) < count:
-            return False
-        dropped = cache.evict(count, protected)
-        self.mirror.release(dropped)
-        self._queue("release", dropped)
-        return True
-
-    def _lookup(self, request: Request) -> list[list[int]]:
-        """Cached leading blocks per live sequence (at least one token is left to compute)."""
-        if self.prefix_cache is None:
-            return [[] for _ in request.live_sequences]
-        size = self.mirror.block_size
-        return [self.prefix_cache.match(seq.token_ids, seq.block_keys,
-                                        (len(seq.token_ids) - 1) // size)
-                for seq in request.live_sequences]
-
+    # ---- prefix cache: requests that would compute the same block in one step ---------------
     def _in_progress(self, request: Request, hits: list[list[int]]) -> bool:
         """Would the request's next block be computed by another request in this very step?
         Then it waits one step and shares it instead of computing it twice."""
@@ -271,11 +219,16 @@ class Scheduler:
         prefilled again with the generated tokens."""
         self.running.remove(request)
         live = request.live_sequences
-        self._index(live)
-        blocks = self._distinct_blocks(live)
+        self.ledger.index(live)
+        blocks = self.ledger.distinct_blocks(live)
         tokens = sum(seq.num_computed for seq in live)
-        if self._wants_swap(len(blocks), tokens) and len(blocks) <= len(self.free_host_blocks):
-            self._swap_out(request, live, blocks)
+        if (self._wants_swap(len(blocks), tokens)
+                and len(blocks) <= len(self.ledger.free_host_blocks)):
+            slots = [seq.slot for seq in live]
+            self.ledger.swap_out(request, live, blocks)
+            self.free_slots.extend(reversed(slots))
+            request.status = SequenceStatus.SWAPPED
+            self.swapped.append(request)
         else:
             request.num_recomputed_tokens += tokens
             self.num_recomputed_tokens += tokens
@@ -294,54 +247,10 @@ class Scheduler:
             return self.swap_policy(num_blocks, num_tokens)
         return False
 
-    def _distinct_blocks(self, sequences) -> list[int]:
-        return list(dict.fromkeys(b for seq in sequences for b in self.mirror.tables[seq.slot]))
-
-    def _swap_out(self, request: Request, live: list[Sequence], blocks: list[int]):
-        host_ids = [self.free_host_blocks.pop() for _ in blocks]
-        position = {block: i for i, block in enumerate(blocks)}
-        request.swap = SwapRecord(
-            next(self._handles), host_ids,
-            {seq.index: [position[b] for b in self.mirror.tables[seq.slot]] for seq in live},
-            {seq.index: seq.num_computed for seq in live})
-        self._queue("swap_out", (request.swap.handle, blocks))
-        self.num_swapped_out_blocks += len(blocks)
-        slots = [seq.slot for seq in live]
-        self._mirror_free(slots)
-        self._queue("free", slots)
-        self.free_slots.extend(reversed(slots))
-        for seq in live:  # num_computed stays: decoding resumes where it stopped
-            seq.slot = -1
-            seq.num_indexed = seq.num_computed // self.mirror.block_size  # copies: not indexed
-        request.status = SequenceStatus.SWAPPED
-        self.swapped.append(request)
-
-    def _swap_in(self, request: Request):
-        """Bring a swapped request back: pop fresh blocks, give each sequence its table, copy
-        the host blocks in (one transfer)."""
-        record = request.swap
-        fresh = self.mirror.pop(len(record.host_ids))
-        self._queue("pop", len(fresh))
-        self._assign_slots(request, len(request.live_sequences) if request.is_forked
-                           else request.params.n)
-        items = [(seq.slot, [fresh[i] for i in record.tables[seq.index]],
-                  record.lengths[seq.index]) for seq in request.live_sequences]
-        self.mirror.adopt(items)
-        self._queue("adopt", items)
-        self._queue("swap_in", (record.handle, fresh))
-        self.num_swapped_in_blocks += len(fresh)
-        self.free_host_blocks.extend(record.host_ids)
-        request.swap = None
-
-    def _drop_swap(self, request: Request):
-        self._queue("swap_drop", request.swap.handle)
-        self.free_host_blocks.extend(request.swap.host_ids)
-        request.swap = None
-
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._planned_blocks, self._holders, self._computing = 0, {}, set()
-        self._index([seq for r in self.running for seq in r.live_sequences])
+        self.ledger.index([seq for r in self.running for seq in r.live_sequences])
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         budget = self.max_num_batched_tokens
@@ -389,14 +298,20 @@ class Scheduler:
         need = len(request.swap.host_ids) + sum(
             -(-(row.start + row.num_tokens) // size) - (-(-row.start // size)) + 1
             for row in new_rows)
-        if len(self.free_slots) < needed_slots or not self._room_for(need):
+        if len(self.free_slots) < needed_slots:
+            return None
+        # The bound may overcount copies-on-write; alone in the pool, the blocks suffice.
+        swapped_blocks = len(request.swap.host_ids)
+        if not self._room_for(need) and (self.running or not self._room_for(swapped_blocks)):
             return None
         self.swapped.popleft()
-        self._swap_in(request)
+        self._assign_slots(request, needed_slots)
+        self.ledger.swap_in(request)
         request.status = SequenceStatus.RUNNING
         self.running.append(request)
         self.running.sort(key=lambda r: r.arrival_index)
-        assert self._reserve(new_rows, 0), "room was checked before swapping in"
+        if not self._reserve(new_rows, 0):
+            return None   # back in the cache; its rows run next step, as a running request's
         return new_rows
 
     def _admit_waiting(self, budget: int) -> list[ScheduledRow] | None:
@@ -404,7 +319,7 @@ class Scheduler:
         needed_slots = request.params.n if not request.is_forked else len(request.live_sequences)
         if len(self.free_slots) < needed_slots:
             return None
-        hits = self._lookup(request)
+        hits = self.ledger.lookup(request.live_sequences)
         if self.prefix_cache is not None and self._in_progress(request, hits):
             return None
         size = self.mirror.block_size
@@ -418,27 +333,13 @@ class Scheduler:
             return None
         self.waiting.popleft()
         self._assign_slots(request, needed_slots)
-        self._adopt_hits(request, hits)
+        self.ledger.adopt_hits(request.live_sequences, hits)
+        request.num_cached_tokens = len(hits[0]) * size
         request.status = SequenceStatus.RUNNING
         self.running.append(request)
         self.running.sort(key=lambda r: r.arrival_index)
         self._note_computing(new_rows)
         return new_rows
-
-    def _adopt_hits(self, request: Request, hits: list[list[int]]):
-        size = self.mirror.block_size
-        items = [(seq.slot, seq_hits, len(seq_hits) * size)
-                 for seq, seq_hits in zip(request.live_sequences, hits) if seq_hits]
-        if self.prefix_cache is not None:
-            for seq, seq_hits in zip(request.live_sequences, hits):
-                self.prefix_cache.record_lookup(len(seq.token_ids), len(seq_hits) * size)
-                seq.num_indexed = len(seq_hits)
-            request.num_cached_tokens = len(hits[0]) * size
-        if items:
-            for _, blocks, _ in items:
-                self.prefix_cache.acquire(blocks)
-            self.mirror.adopt(items)
-            self._queue("adopt", items)
 
     def _rows_for(self, request: Request, budget: int) -> list[ScheduledRow]:
         rows = []
@@ -463,7 +364,7 @@ class Scheduler:
         """Can `blocks` more blocks than already planned be served, evicting cached blocks if
         needed (and only if that is enough)?"""
         deficit = self._planned_blocks + blocks - (self.mirror.num_free - reserve)
-        return deficit <= 0 or self._evict(deficit, protected)
+        return deficit <= 0 or self.ledger.evict(deficit, protected)
 
     def _reserve(self, new_rows: list[ScheduledRow], reserve: int, protected=()) -> bool:
         """Add new_rows' blocks to this step's plan if the pool (less `reserve`) can serve them.

@@ -1,6 +1,27 @@
 """Session fixtures shared across the suite: tiny Hugging Face checkpoints built once per run."""
 
+import gc
+import os
+from pathlib import Path
+
+import jax
 import pytest
+
+MAX_MAPPINGS_KEPT = 15_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Clear JAX's caches between test modules once the process holds many memory mappings.
+    XLA:CPU maps memory for every compiled executable (about six mappings each), and the whole
+    suite in one process compiles enough programs to pass the kernel's limit
+    (vm.max_map_count, 65530), where XLA crashes with a segmentation fault. Below the
+    threshold, modules keep sharing compiled programs (it saves minutes)."""
+    yield
+    maps = Path(f"/proc/{os.getpid()}/maps")
+    if not maps.exists() or maps.read_text().count("\n") > MAX_MAPPINGS_KEPT:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

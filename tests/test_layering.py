@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"config", "memory", "block_mirror", "kv_cache", "sampling", "detokenizer", "request",
-        "scheduler", "prefix_cache", "compat"}
+        "scheduler", "prefix_cache", "block_ledger", "compat"}
 ENGINE = {"runner", "device_step", "decode_pipeline", "engine", "engine_config", "llm", "serve",
           "main", "swap", "async_engine", "openai_api"}
 PALLAS_IMPORTERS = {"jpaged/kv_cache.py", "jpaged/models/attention.py"}

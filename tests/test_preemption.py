@@ -40,7 +40,7 @@ def assert_nothing_held(engine):
         assert engine.mirror.refcounts[block] == (1 if block in cached else 0), block
     assert engine.num_free_blocks == engine.config.num_kv_blocks - 1
     assert cache is None or cache.num_evictable() == len(cached)
-    assert len(engine.scheduler.free_host_blocks) == engine.scheduler.num_swap_blocks
+    assert len(engine.scheduler.ledger.free_host_blocks) == engine.scheduler.ledger.num_swap_blocks
     assert not engine.scheduler.pending_ops
     assert engine.runner.swap_store is None or not engine.runner.swap_store.stored
     assert all(not table for table in engine.mirror.tables)
@@ -91,7 +91,7 @@ def test_full_swap_space_falls_back_to_recompute(hf_checkpoints, expected):
     llm = LLM(hf_checkpoints["llama_gqa"], num_kv_blocks=blocks_needed(prompts, 24) // 4 + 1,
               max_model_len=128, max_num_seqs=32, max_num_batched_tokens=256,
               preemption_mode="swap", swap_space=3 * 8192 / 2**30)
-    assert llm.engine.scheduler.num_swap_blocks == 3   # 8 KiB blocks: room for 3
+    assert llm.engine.scheduler.ledger.num_swap_blocks == 3   # 8 KiB blocks: room for 3
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.stats()["num_swapped_out_blocks"] > 0
@@ -103,8 +103,8 @@ def test_swapped_mid_prefill_resumes_its_chunks(hf_checkpoints):
     """Long prompts prefilled in 16-token chunks on a pool far too small: requests are swapped
     out between chunks and finish their prefill after coming back."""
     path = hf_checkpoints["llama_gqa"]
-    prompts = prompts_of([90, 75, 60, 84], seed=21)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = prompts_of([90, 75, 84], seed=21)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
     expected = LLM(path, num_kv_blocks=64, **options).generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -147,13 +147,6 @@ def test_swap_store_round_trip(pinned):
     assert not store.stored and store.bytes_out == store.bytes_in == 3
 
 
-@pytest.fixture(scope="module")
-def pressured_engine(hf_checkpoints):
-    return LLMEngine.from_pretrained(
-        hf_checkpoints["llama_gqa"], num_kv_blocks=14, max_model_len=96, max_num_seqs=6,
-        max_num_batched_tokens=64, preemption_mode="auto", swap_space=0.001)
-
-
 event = st.one_of(
     st.tuples(st.just("add"), st.lists(st.tuples(st.integers(4, 60), st.integers(1, 30),
                                                  st.integers(1, 2), st.booleans()),
@@ -193,11 +186,13 @@ def run_events(engine, events, seed):
 def test_random_arrivals_aborts_and_completions_leak_nothing(hf_checkpoints):
     engine = LLMEngine.from_pretrained(
         hf_checkpoints["llama_gqa"], num_kv_blocks=12, max_model_len=96, max_num_seqs=6,
-        max_num_batched_tokens=64, preemption_mode="auto", swap_space=0.001)
+        max_num_batched_tokens=64, preemption_mode="auto", swap_space=6 * 8192 / 2**30)
+    assert engine.scheduler.ledger.num_swap_blocks == 6   # full at times: recompute fallback
     engine.swap_rates = {"swap_fixed_seconds": 1.0, "swap_seconds_per_block": 0.0,
                          "prefill_seconds_per_token": 1.0 / 24}   # both modes get used
 
-    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=12, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
     @given(st.lists(event, min_size=1, max_size=20), st.integers(0, 2**16))
     def check(events, seed):
         run_events(engine, events, seed)

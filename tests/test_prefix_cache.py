@@ -108,12 +108,12 @@ def test_shared_system_prompt_is_stored_once(tmp_path):
     assert llm.stats()["prefix_cache_hit_rate"] > 0.9
     assert_nothing_held(llm.engine)
     # The reference run without caching prefills every prompt in full, which is slow on a CPU:
-    # it runs a sample of 16 requests (greedy outputs do not depend on the batch).
+    # it runs a sample of 8 requests (greedy outputs do not depend on the batch).
     plain = LLM(path, enable_prefix_caching=False, **options)
-    sample = plain.generate(prompt_token_ids=prompts[::8], sampling_params=params,
+    sample = plain.generate(prompt_token_ids=prompts[::16], sampling_params=params,
                             use_tqdm=False)
     assert [o.outputs[0].token_ids for o in sample] == [
-        o.outputs[0].token_ids for o in outputs[::8]]
+        o.outputs[0].token_ids for o in outputs[::16]]
     # Count the blocks: 2 private tail blocks per request either way, the 62 full blocks of
     # the system prompt once with caching and 128 times without.
     private = 128 * (-(-1023 // 16) - 1000 // 16)
@@ -157,4 +157,24 @@ def test_generated_blocks_are_cached_for_the_next_turn(hf_checkpoints, async_sch
     # (async) loops index only at the next schedule, which a sequence finishing inside the
     # loop never sees: then only what was indexed before the chain (the prompt's block) hits.
     assert out.num_cached_tokens == 48 if not async_scheduling else out.num_cached_tokens >= 16
+    assert_nothing_held(llm.engine)
+
+
+def test_beam_search_evicts_cached_blocks_it_needs(hf_checkpoints):
+    """Cached blocks no request holds fill most of a small pool; beam search evicts them
+    instead of refusing, and searches exactly as on a fresh engine."""
+    from jpaged import BeamSearchParams
+
+    path = hf_checkpoints["llama_gqa"]
+    options = dict(num_kv_blocks=16, max_model_len=128, max_num_seqs=4)
+    llm = LLM(path, **options)
+    llm.generate(prompt_token_ids=prompts_of([60, 60, 60], seed=15),
+                 sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.engine.mirror.num_free == 15 - 9 and llm.stats()["num_cached_blocks"] == 9
+    prompt = prompts_of([30], seed=16)[0]
+    params = BeamSearchParams(beam_width=3, max_tokens=12)   # up to 7 blocks: 1 more than free
+    got = llm.beam_search([prompt], params)[0]
+    fresh = LLM(path, **options).beam_search([prompt], params)[0]
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in fresh.sequences]
     assert_nothing_held(llm.engine)
