@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from jpaged import kv_cache
 from jpaged.config import normalize_dtype
 from jpaged.models.loader import load_model, load_tokenizer
+from jpaged.scheduler import PREEMPTION_MODES
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
-PREEMPTION_MODES = ("auto", "swap", "recompute")
 CPU_KV_BUDGET_BYTES = 1 << 30       # no memory statistics on the CPU: a fixed 1 GiB pool at most
 ACTIVATION_SLACK_BYTES = 512 << 20  # allocator fragmentation, compiler scratch, kernels' partials
 
