@@ -367,19 +367,9 @@ def _prompt_tokens(engine, prompt) -> tuple[str | None, list[int]]:
             raise ValueError(f"a dict prompt needs exactly one key, 'prompt' or "
                              f"'prompt_token_ids'; got {sorted(prompt)}")
         prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-    if isinstance(prompt, str):
-        if engine.tokenizer is None:
-            raise ValueError("this model has no tokenizer.json: pass token ids")
-        text, token_ids = prompt, engine.tokenizer.encode(prompt).ids
-    elif isinstance(prompt, (list, tuple)) and all(
+    if isinstance(prompt, str):   # the engine's own validation of prompts
+        return prompt, engine._prompt_tokens(prompt, None)
+    if isinstance(prompt, (list, tuple)) and all(
             isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-        text, token_ids = None, [int(t) for t in prompt]
-    else:
-        raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
-    if not token_ids:
-        raise ValueError("prompt is empty: at least one token is needed")
-    vocab = engine.model_config.vocab_size
-    bad = [t for t in token_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
-    return text, token_ids
+        return None, engine._prompt_tokens(None, prompt)
+    raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
