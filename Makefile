@@ -20,8 +20,10 @@ $(VENV)/.installed-dev: pyproject.toml
 run: $(VENV)/.installed-base
 	$(PY) -m jpaged.main
 
+# Two workers (the CI machine has 2 cores); a test file stays on one worker, so its module
+# fixtures and compiled programs are built once.
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 bench-alloc: $(VENV)/.installed-dev
 	$(PY) benchmarks/allocator_step.py
