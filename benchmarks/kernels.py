@@ -26,9 +26,11 @@ import numpy as np
 import pallas_kernels as pk
 from pallas_kernels import reference
 from pallas_kernels._compat import bundled_gpu_paged_attention
+from pallas_kernels.gpu import cache_write
 from pallas_kernels.gpu.decode import default_tiling
 
 CHAIN = 4
+WRITE_CHAIN = 16  # cache writes per jitted call in cache_write_rows (each one is tiny)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, jnp.bfloat16  # Llama-3-8B-like
 DECODE_GRID = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192)]
 ISSUE_CASES = [(8, 1024), (64, 1024), (64, 4096), (256, 2048), (8, 32768)]
@@ -124,6 +126,69 @@ def decode_row(key, batch, context, block_size, ceiling, variants, with_peers):
     row["bytes"] = num_bytes
     row["ceiling"] = ceiling
     return row
+
+
+def sweep_variants(batch, context):
+    """--sweep: the tilings tried per issue case (split counts only where the default splits)."""
+    _, splits = default_tiling(batch, NUM_KV_HEADS, context, HEAD_DIM, DTYPE)
+    if splits == 1:
+        return [(step, 1, warps, stages) for step in (64, 128) for warps in (4, 8)
+                for stages in (2, 3, 4)]
+    return [(step, factor, 4, stages) for factor in (0.5, 1, 2, 4) for step in (32, 64, 128)
+            for stages in (2, 3)]
+
+
+def format_sweep(rows):
+    lines = ["| B | context | tiling | us |", "|---|---|---|---|"]
+    for row in rows:
+        for name, tiling in sorted(row["tilings"].items(), key=lambda item: row[item[0]]):
+            lines.append(f"| {row['B']} | {row['context']} | {_tiling_name(tiling)} "
+                         f"| {row[name] * 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def cache_write_rows(num_tokens_cases=(64, 256, 2048), num_blocks=32768, block_size=16):
+    """XLA scatter (reference.write_to_pages) against the Pallas kernel, pages donated, per call.
+
+    One layer's pool of NUM_KV_HEADS x num_blocks x block_size x HEAD_DIM bf16 (1 GiB each for K
+    and V); T tokens at distinct random slots, shifted by one block per write of the chain.
+    """
+    shape = (NUM_KV_HEADS, num_blocks, block_size, HEAD_DIM)
+    rows = []
+    for num_tokens in num_tokens_cases:
+        key = jax.random.key(num_tokens)
+        slots = jnp.asarray(np.random.default_rng(num_tokens).permutation(
+            np.arange(block_size, (num_blocks - WRITE_CHAIN) * block_size))[:num_tokens]
+            .astype(np.int32))
+        slots = slots.reshape(1, -1) + block_size * jnp.arange(WRITE_CHAIN)[:, None]
+        new = jax.random.normal(key, (2, num_tokens, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+        row = {"T": num_tokens}
+        for name, write in (("xla scatter", reference.write_to_pages),
+                            ("pallas", cache_write.write_to_pages)):
+            def chain(k, v, new, slots, write=write):  # WRITE_CHAIN writes at shifted slots
+                for i in range(WRITE_CHAIN):
+                    k, v = write(k, v, new[0], new[1], slots[i])
+                return k, v
+            fn = jax.jit(chain, donate_argnums=(0, 1))
+            pages = [jnp.zeros(shape, DTYPE), jnp.zeros(shape, DTYPE)]
+
+            def run(n):
+                start = time.perf_counter()
+                for _ in range(n):
+                    pages[:] = fn(*pages, new, slots)
+                jax.block_until_ready(pages)
+                return time.perf_counter() - start
+            run(2)
+            n = 1
+            while run(n) < 0.02 and n < 4096:
+                n *= 2
+            row[name] = statistics.median(run(n) / n for _ in range(5)) / WRITE_CHAIN
+            del pages
+        rows.append(row)
+    lines = ["| T tokens | XLA scatter us | Pallas us | Pallas / XLA |", "|---|---|---|---|"]
+    lines += [f"| {r['T']} | {r['xla scatter'] * 1e6:.1f} | {r['pallas'] * 1e6:.1f} "
+              f"| {r['pallas'] / r['xla scatter']:.2f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def _tiling_name(tiling):
@@ -243,12 +308,49 @@ def versions():
             f"jaxlib {jaxlib.__version__}, triton {triton_version}, python {platform.python_version()}")
 
 
+PARTS = ("decode", "sweep", "cudnn", "prefill", "write")
+
+
+def decode_plan(parts):
+    plan = []
+    if "sweep" in parts:
+        plan += [(b, c, 16, DECODE_VARIANTS[:1] + sweep_variants(b, c), True)
+                 for b, c in ISSUE_CASES]
+    if "decode" in parts:
+        if "sweep" not in parts:
+            plan += [(b, c, 16, DECODE_VARIANTS, True) for b, c in ISSUE_CASES]
+        plan += [(b, c, 16, DECODE_VARIANTS[:1], True) for b, c in DECODE_GRID
+                 if (b, c) not in ISSUE_CASES]
+        plan += [(*PAGE_SIZE_CASE, s, DECODE_VARIANTS[:2], False) for s in (32, 64, 128)]
+    return plan
+
+
+def cudnn_table(bandwidth, deadline):
+    cells = []
+    for batch, context in ISSUE_CASES:
+        if time.time() > deadline:
+            break
+        fn, arg_sets = contiguous_setup(jax.random.key(7), batch, context)
+        seconds = _try(lambda: median_seconds(fn, arg_sets) / CHAIN)
+        num_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+        cells.append(f"| {batch} | {context} | " + (
+            f"{seconds * 1e6:.1f} us, {100 * num_bytes / seconds / bandwidth:.0f}%"
+            if isinstance(seconds, float) else seconds) + " |")
+        del arg_sets
+    return "| B | context | time, % copy BW |\n|---|---|---|\n" + "\n".join(cells)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the markdown tables here")
     parser.add_argument("--budget-seconds", type=float, default=300,
                         help="stop starting new cases after this long (tables stay partial)")
+    parser.add_argument("--parts", default="decode,cudnn,prefill,write",
+                        help=f"comma-separated subset of {PARTS}; sweep = many tilings per issue case")
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     deadline = time.time() + args.budget_seconds
     sections = [versions()]
     bandwidth, matmul_flops = copy_bandwidth(), matmul_rate()
@@ -256,11 +358,7 @@ def main():
                     f"bf16 matmul 8192^3: {matmul_flops / 1e12:.0f} TFLOP/s")
     print("\n".join(sections), flush=True)
     decode_rows = []
-    plan = ([(b, c, 16, DECODE_VARIANTS, True) for b, c in ISSUE_CASES]
-            + [(b, c, 16, DECODE_VARIANTS[:1], True) for b, c in DECODE_GRID
-               if (b, c) not in ISSUE_CASES]
-            + [(*PAGE_SIZE_CASE, s, DECODE_VARIANTS[:2], False) for s in (32, 64, 128)])
-    for batch, context, block_size, variants, with_peers in plan:
+    for batch, context, block_size, variants, with_peers in decode_plan(parts):
         if time.time() > deadline:
             sections.append(f"(budget reached: decode cases after B={batch} context={context} skipped)")
             break
@@ -268,23 +366,21 @@ def main():
                          variants, with_peers)
         decode_rows.append(row)
         print(format_decode([row], bandwidth).splitlines()[-1], flush=True)
-    cudnn = []
-    for batch, context in ISSUE_CASES:
-        if time.time() > deadline:
-            break
-        fn, arg_sets = contiguous_setup(jax.random.key(7), batch, context)
-        seconds = _try(lambda: median_seconds(fn, arg_sets) / CHAIN)
-        num_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
-        cell = (f"{seconds * 1e6:.1f} us, {100 * num_bytes / seconds / bandwidth:.0f}%"
-                if isinstance(seconds, float) else seconds)
-        cudnn.append(f"| {batch} | {context} | {cell} |")
-        del arg_sets
-    prefill = prefill_rows(matmul_flops, deadline + 60)
-    sections += ["## Decode (H=32, K=8, D=128, bf16; S=16 unless noted)",
-                 format_decode(decode_rows, bandwidth),
-                 "## cuDNN decode on a contiguous cache (jax.nn.dot_product_attention)",
-                 "| B | context | time, % copy BW |\n|---|---|---|\n" + "\n".join(cudnn),
-                 "## Prefill (H=32, K=8, D=128, bf16, S=16)", format_prefill(prefill)]
+    if decode_rows:
+        sections += ["## Decode (H=32, K=8, D=128, bf16; S=16 unless noted)",
+                     format_decode(decode_rows, bandwidth)]
+    if "sweep" in parts:
+        sections += ["## Decode tiling sweep (issue cases, fastest first)",
+                     format_sweep(decode_rows[:len(ISSUE_CASES)])]
+    if "cudnn" in parts:
+        sections += ["## cuDNN decode on a contiguous cache (jax.nn.dot_product_attention)",
+                     cudnn_table(bandwidth, deadline)]
+    if "write" in parts:
+        sections += ["## Cache write, one layer (K=8, D=128, bf16, 32768 blocks of 16)",
+                     cache_write_rows()]
+    if "prefill" in parts:
+        sections += ["## Prefill (H=32, K=8, D=128, bf16, S=16)",
+                     format_prefill(prefill_rows(matmul_flops, deadline + 60))]
     text = "\n\n".join(sections)
     print(text)
     if args.out:

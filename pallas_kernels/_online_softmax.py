@@ -1,4 +1,4 @@
-"""Backend-neutral flash-attention math: the online-softmax update and the split-K combine.
+"""Backend-neutral flash-attention math: the online-softmax update and the merge of partials.
 
 The update runs inside kernels (Triton, Mosaic TPU and the interpreters all lower it), so it uses
 only jnp elementwise ops, keepdims reductions (2-D shapes suit both backends) and `dot_f32`.
@@ -41,15 +41,14 @@ def finalize(state):
     return acc / jnp.where(l_sum > 0, l_sum, 1.0)
 
 
-def combine_splits(acc, m, l_sum, axis):
-    """Merge flash-decoding partials along `axis` (plain jnp, outside the kernel).
+def merge(state, other):
+    """Fold another partial state (m, l, acc) over a disjoint set of keys into `state`.
 
-    acc: [..., P, R, D], m and l_sum: [..., P, R, 1] with P (splits) at `axis`. Empty splits have
-    m = -inf and contribute nothing; a row empty in every split (padding) comes out as zeros.
+    Either side may be empty (m = -inf, l = 0, acc = 0); merging two empty states stays empty.
     """
-    m_max = jnp.max(m, axis=axis, keepdims=True)
-    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    weight = jnp.exp(m - m_safe)
-    l_total = jnp.sum(weight * l_sum, axis=axis)
-    acc_total = jnp.sum(weight * acc, axis=axis)
-    return acc_total / jnp.where(l_total > 0, l_total, 1.0)
+    m_a, l_a, acc_a = state
+    m_b, l_b, acc_b = other
+    m_new = jnp.maximum(m_a, m_b)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    weight_a, weight_b = jnp.exp(m_a - m_safe), jnp.exp(m_b - m_safe)
+    return m_new, weight_a * l_a + weight_b * l_b, weight_a * acc_a + weight_b * acc_b

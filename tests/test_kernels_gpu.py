@@ -15,6 +15,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import reference
 from pallas_kernels import testing
+from pallas_kernels.gpu import cache_write
 from pallas_kernels.testing import TOLERANCE, make_problem, max_row_error
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -208,17 +209,67 @@ def test_bad_arguments_raise_naming_them(change, argument):
 
 
 def test_kernels_lower_to_triton():
-    """Lowering for CUDA runs on any machine: catches Triton-lowering errors without a GPU."""
+    """Lowering for CUDA runs on any machine: catches Triton-lowering errors without a GPU.
+
+    Decode is one launch with or without splits (the split-K combine runs inside the kernel):
+    exactly one Triton call and no XLA reduction around it.
+    """
     problem = make_prefill(("gqa", 128, 16, BF16))
-    for fn, args in [(pk.paged_attention_decode_gpu, make_decode(("gqa", 128, 16, BF16)).decode_args),
-                     (pk.paged_attention_prefill_gpu, problem.prefill_args)]:
+    decode_args = make_decode(("gqa", 128, 16, BF16)).decode_args
+    cases = [(functools.partial(pk.paged_attention_decode_gpu, num_splits=1), decode_args),
+             (functools.partial(pk.paged_attention_decode_gpu, num_splits=4), decode_args),
+             (pk.paged_attention_prefill_gpu, problem.prefill_args),
+             (cache_write.write_to_pages, cache_write_problem(4, BF16))]
+    for fn, args in cases:
         try:
             lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         except RuntimeError as error:  # jax >= 0.11 asks a real GPU for its compute capability
             if "No supported GPU devices" in str(error):
                 pytest.skip("this jax cannot lower for CUDA without a GPU")
             raise
-        assert "xla.gpu.triton" in lowered.as_text()
+        text = lowered.as_text()
+        assert text.count("xla.gpu.triton") == 1
+        if fn is not pk.paged_attention_prefill_gpu:
+            assert "stablehlo.reduce" not in text
+
+
+# --- cache writes -------------------------------------------------------------------------------
+
+def cache_write_problem(num_kv_heads, dtype, num_tokens=13, seed=0):
+    """Pages [K, 9, 4, 16] of random values; T new rows (float32) at distinct slots, two of -1."""
+    rng = np.random.default_rng(seed)
+    shape = (num_kv_heads, 9, 4, 16)
+    k_pages, v_pages = (jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads, 16)), jnp.float32)
+                    for _ in range(2))
+    slots = rng.permutation(np.arange(4, 9 * 4))[:num_tokens].astype(np.int32)
+    slots[[2, 7]] = -1
+    return k_pages, v_pages, k_new, v_new, jnp.asarray(slots)
+
+
+@pytest.mark.parametrize("num_kv_heads,dtype,tokens_per_program", [
+    (2, F32, 4), (3, BF16, 8), (1, BF16, 16)])
+def test_cache_write_kernel_equals_xla_scatter(num_kv_heads, dtype, tokens_per_program):
+    """Bit-identical to the reference scatter, -1 slots skipped, other slots untouched; in place."""
+    args = cache_write_problem(num_kv_heads, dtype)
+    expected = jax.jit(reference.write_to_pages)(*args)
+    k_pages, v_pages = jnp.array(args[0]), jnp.array(args[1])
+    out = cache_write.write_to_pages(k_pages, v_pages, *args[2:], interpret=INTERPRET,
+                                     tokens_per_program=tokens_per_program)
+    for got, want in zip(out, expected):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert k_pages.is_deleted() and v_pages.is_deleted(), "the pages must be donated"
+
+
+def test_cache_write_rejects_bad_shapes():
+    k_pages, v_pages, k_new, v_new, slots = cache_write_problem(2, F32)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cache_write.write_to_pages(k_pages, v_pages, k_new, v_new, slots[:-1],
+                                   interpret=INTERPRET)
+    with pytest.raises(ValueError, match="k_new"):
+        cache_write.write_to_pages(k_pages, v_pages, k_new[:, :1], v_new, slots,
+                                   interpret=INTERPRET)
 
 
 # --- compiled on a GPU only: realistic shapes -----------------------------------------------

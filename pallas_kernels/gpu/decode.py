@@ -1,10 +1,12 @@
 """GPU paged decode attention (Pallas Triton): one query token per sequence, split-K over the context.
 
-Flash-decoding: the grid is (sequence, kv head, split). Each program serves all query heads of one
-GQA group from a single read of that kv head's pages, walks its slice of the context `tokens_per_step`
-tokens at a time (a tile may span several pages; each token's page comes from the block table), keeps
-an online softmax in float32 and writes partial (acc, max, sum). A small jnp combine merges the
-splits, so a batch of a few long sequences still fills the GPU.
+Flash-decoding in one launch: the grid is (sequence, kv head, split). Each program serves all query
+heads of one GQA group from a single read of that kv head's pages, walks its slice of the context
+`tokens_per_step` tokens at a time (a tile may span several pages; each token's page comes from the
+block table, fetched one step ahead), and keeps an online softmax in float32. With one split the
+program writes the output itself. With several, each program stores its partial (acc, max, sum) and
+bumps an atomic counter for its (sequence, kv head); the program that finds it was the last merges
+the partials and writes the output, so no second launch is needed for the combine.
 
 Only blocks < ceil(context_len / S) are read: loads past the context are masked, never issued, so
 the sink block 0 and stale slots are never touched (tests fill them with NaN).
@@ -25,43 +27,83 @@ _TARGET_PROGRAMS = 264
 _MIN_DOT_ROWS = 16  # Triton's dot needs >= 16 rows: a GQA group is padded (by masked loads) to this.
 
 
-def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
-                   acc_ref, m_ref, l_ref, *, group, tokens_per_step, tokens_per_split, scale):
+def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
+                   group, tokens_per_step, tokens_per_split, num_splits, scale, interpret):
     """One (sequence, kv head, split) program.
 
-    Refs: context_lens [B]; block_tables [M] (this sequence's row); q [H, D] (this sequence);
-    k_pages, v_pages [N, S, D] (this kv head). Outputs for this program: acc [R, D], m/l [R, 1],
-    where R >= group rows of the GQA group (rows >= group are padding and stay zero).
+    Refs: context_lens [B]; block_tables [M] (this sequence's row); q [H, D] and out [H, D] (this
+    sequence); k_pages, v_pages [N, S, D] (this kv head). With splits, also the partials of this
+    (sequence, kv head): acc [P, R, D], m/l [P, R, 1], and the counters [B * K] (aliased in/out).
+    R >= group rows: rows >= group are padding, loaded as zeros and never stored.
     """
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, head_dim = acc_ref.shape
+    if num_splits == 1:
+        (out_ref,) = refs
+    else:
+        _, out_ref, acc_ref, m_ref, l_ref, counts_ref = refs  # refs[0] is the counters' input
+    head_dim = q_ref.shape[-1]
+    rows = max(_MIN_DOT_ROWS, pl.next_power_of_2(group))
     block_size = k_pages_ref.shape[1]
     context_len = context_lens_ref[seq]
     split_start = split * tokens_per_split
     split_end = jnp.minimum(split_start + tokens_per_split, context_len)
     num_steps = pl.cdiv(jnp.maximum(split_end - split_start, 0), tokens_per_step)
 
-    row = jnp.arange(rows)
-    q_mask = jnp.broadcast_to((row < group)[:, None], (rows, head_dim))
-    q = plgpu.load(q_ref.at[pl.ds(kv_head * group, rows), :], mask=q_mask, other=0)
+    group_rows = lambda width: jnp.broadcast_to(  # noqa: E731 - [R, width] mask of real rows
+        (jnp.arange(rows) < group)[:, None], (rows, width))
+    is_group_row = group_rows(head_dim)
+    heads = pl.ds(kv_head * group, rows)
+    q = plgpu.load(q_ref.at[heads, :], mask=is_group_row, other=0)
     dims = jnp.arange(head_dim)
 
-    def step(i, state):
+    def tokens_of(i):
         token = split_start + i * tokens_per_step + jnp.arange(tokens_per_step)  # [C] positions
-        is_cached = token < split_end
-        page = plgpu.load(block_tables_ref.at[token // block_size], mask=is_cached, other=0)
+        return token, token < split_end
+
+    def pages_of(i):
+        token, is_cached = tokens_of(i)
+        return plgpu.load(block_tables_ref.at[token // block_size], mask=is_cached, other=0)
+
+    def step(i, carry):
+        state, page = carry
+        next_page = pages_of(i + 1)  # issued now, used next step: hides the table's load latency
+        token, is_cached = tokens_of(i)
         index = (page[:, None], (token % block_size)[:, None], dims[None, :])
         kv_mask = jnp.broadcast_to(is_cached[:, None], (tokens_per_step, head_dim))
         keys = plgpu.load(k_pages_ref.at[index], mask=kv_mask, other=0)      # [C, D]
         values = plgpu.load(v_pages_ref.at[index], mask=kv_mask, other=0)    # [C, D]
         scores = dot_f32(q, keys, transpose_b=True) * scale                  # [R, C]
         visible = jnp.broadcast_to(is_cached[None, :], scores.shape)
-        return softmax.update(state, scores, values, visible)
+        return softmax.update(state, scores, values, visible), next_page
 
-    m, l_sum, acc = jax.lax.fori_loop(0, num_steps, step, softmax.initial_state(rows, head_dim))
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l_sum
+    state, _ = jax.lax.fori_loop(0, num_steps, step,
+                                 (softmax.initial_state(rows, head_dim), pages_of(0)))
+    if num_splits == 1:
+        plgpu.store(out_ref.at[heads, :], softmax.finalize(state).astype(out_ref.dtype),
+                    mask=is_group_row)
+        return
+
+    m, l_sum, acc = state
+    plgpu.store(acc_ref.at[split], acc, mask=is_group_row)
+    plgpu.store(m_ref.at[split], m, mask=group_rows(1))
+    plgpu.store(l_ref.at[split], l_sum, mask=group_rows(1))
+    if not interpret:  # every thread's stores are issued before the (release) atomic below
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(counts_ref, seq * pl.num_programs(1) + kv_head, jnp.int32(1))
+
+    @pl.when(arrived == num_splits - 1)
+    def _combine():  # the last program of this (sequence, kv head): merge the non-empty splits
+        def merge(other, state):
+            partial = tuple(plgpu.load(ref.at[other], mask=group_rows(ref.shape[-1]),
+                                       other=0, volatile=True)
+                            for ref in (m_ref, l_ref, acc_ref))
+            return softmax.merge(state, partial)
+
+        used_splits = pl.cdiv(context_len, tokens_per_split)
+        merged = jax.lax.fori_loop(0, used_splits, merge, softmax.initial_state(rows, head_dim))
+        plgpu.store(out_ref.at[heads, :], softmax.finalize(merged).astype(out_ref.dtype),
+                    mask=is_group_row)
+
 
 
 def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
@@ -107,29 +149,46 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     num_splits = pl.cdiv(max_context, tokens_per_split)
     group = num_heads // num_kv_heads
     rows = max(_MIN_DOT_ROWS, pl.next_power_of_2(group))
-    scale = head_dim ** -0.5 if scale is None else scale
-    kernel = functools.partial(_decode_kernel, group=group, tokens_per_step=tokens_per_step,
-                               tokens_per_split=tokens_per_split, scale=scale)
-    partial_shape = (batch, num_kv_heads, num_splits, rows)
-    partial_spec = lambda width: pl.BlockSpec(  # noqa: E731 - one tile per program
-        (None, None, None, rows, width), lambda b, h, s: (b, h, s, 0, 0))
-    acc, m, l_sum = pl.pallas_call(
+    kernel = functools.partial(
+        _decode_kernel, group=group, tokens_per_step=tokens_per_step,
+        tokens_per_split=tokens_per_split, num_splits=num_splits,
+        scale=head_dim ** -0.5 if scale is None else scale, interpret=interpret)
+    grid = (batch, num_kv_heads, num_splits)
+    per_sequence = lambda b, h, s: (b, 0, 0)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec(context_lens.shape, lambda b, h, s: (0,)),                 # all lengths
+        pl.BlockSpec((None, block_tables.shape[1]), lambda b, h, s: (b, 0)),     # row b
+        pl.BlockSpec((None, num_heads, head_dim), per_sequence),                 # q[b]
+        pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h, s: (h, 0, 0, 0)),  # kv head h
+        pl.BlockSpec((None, *v_pages.shape[1:]), lambda b, h, s: (h, 0, 0, 0)),
+    ]
+    out_specs = [pl.BlockSpec((None, num_heads, head_dim), per_sequence)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    args = [context_lens, block_tables, q, k_pages, v_pages]
+    aliases = {}
+    if num_splits > 1:  # partials of every split of one (sequence, kv head), and arrival counters
+        counters = jnp.zeros((batch * num_kv_heads,), jnp.int32)
+        partial = lambda width: pl.BlockSpec(  # noqa: E731
+            (None, None, num_splits, rows, width), lambda b, h, s: (b, h, 0, 0, 0))
+        counter_spec = pl.BlockSpec(counters.shape, lambda b, h, s: (0,))
+        in_specs.append(counter_spec)
+        out_specs += [partial(head_dim), partial(1), partial(1), counter_spec]
+        partial_shape = (batch, num_kv_heads, num_splits, rows)
+        out_shape += [jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+                      jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
+                      jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
+                      jax.ShapeDtypeStruct(counters.shape, jnp.int32)]
+        args.append(counters)
+        aliases = {len(args) - 1: len(out_shape) - 1}
+    outputs = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, num_splits),
-        in_specs=[
-            pl.BlockSpec(context_lens.shape, lambda b, h, s: (0,)),              # all lengths
-            pl.BlockSpec((None, block_tables.shape[1]), lambda b, h, s: (b, 0)),  # row b
-            pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0)),  # q[b]
-            pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h, s: (h, 0, 0, 0)),  # head h
-            pl.BlockSpec((None, *v_pages.shape[1:]), lambda b, h, s: (h, 0, 0, 0)),
-        ],
-        out_specs=[partial_spec(head_dim), partial_spec(1), partial_spec(1)],
-        out_shape=[jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
-                   jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32)],
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="jpaged_decode_triton",
-    )(context_lens, block_tables, q, k_pages, v_pages)
-    out = softmax.combine_splits(acc, m, l_sum, axis=2)  # [B, K, R, D]
-    return out[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
+    )(*args)
+    return outputs[0]
