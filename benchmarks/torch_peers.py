@@ -7,10 +7,12 @@ each output [B, H, D] feeding the next call's queries, each call on its own K/V 
 count of disjoint sets, so a chain finds little of its K/V in the 50 MB L2); a prefill step is
 one ragged batch. A step is captured in a CUDA graph and replayed (eager if capture fails; the
 result says which). Time per call = median over repeats of (n steps, synchronize) /
-(n * calls per step), n doubled until >= 20 ms. "sdpa contiguous" is torch's
-scaled_dot_product_attention (enable_gqa) on [B, K, C, D] K/V; "gather + sdpa" first gathers each sequence's pages of a [K, N, S, D] pool into
-[B, K, C, D] inside the timed step (that copy is what paging costs a dense kernel). A ragged batch
-is one SDPA call per group of equal (query_len, context_len); query i of a chunk sits at position
+(n * calls per step), n doubled until >= 20 ms.
+
+"sdpa contiguous" is torch's scaled_dot_product_attention (enable_gqa) on [B, K, C, D] K/V;
+"gather + sdpa" first gathers each sequence's pages of a [K, N, S, D] pool into [B, K, C, D]
+inside the timed step (that copy is what paging costs a dense kernel). A ragged batch is one SDPA
+call per group of equal (query_len, context_len); query i of a chunk sits at position
 context_len - query_len + i and sees keys up to it (lower-right causal).
 """
 
