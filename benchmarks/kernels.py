@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from benchmarks import torch_peers
 from pallas_kernels import reference
 from pallas_kernels._compat import bundled_gpu_paged_attention
 from pallas_kernels.gpu import cache_write
@@ -34,8 +35,8 @@ WRITE_CHAIN = 16  # cache writes per jitted call in cache_write_rows (each one i
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, jnp.bfloat16  # Llama-3-8B-like
 DECODE_GRID = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192)]
 ISSUE_CASES = [(8, 1024), (64, 1024), (64, 4096), (256, 2048), (8, 32768)]
-# (tokens_per_step, splits multiplier, num_warps, num_stages); the first is the default tiling.
-DECODE_VARIANTS = [(None, 1, 4, 2), (128, 1, 4, 2), (64, 1, 4, 3), (64, 2, 4, 2)]
+# Tiling overrides of the decode kernel's default; {} is the default tiling ("ours").
+DECODE_VARIANTS = [{}, dict(tokens_per_step=128), dict(num_stages=3), dict(num_warps=8)]
 PAGE_SIZE_CASE = (64, 4096)  # (B, context) also timed at S = 32, 64, 128
 REFERENCE_MAX_TOKENS = 64 * 2048  # the jnp reference materializes [B, K, M*S, D] in float32
 
@@ -108,13 +109,12 @@ def decode_row(key, batch, context, block_size, ceiling, variants, with_peers):
     arg_sets, num_bytes = decode_setup(key, batch, context, block_size)
     max_context = context
     row = {"B": batch, "context": context, "S": block_size}
-    for tokens_per_step, split_factor, num_warps, num_stages in variants:
-        step, splits = default_tiling(batch, NUM_KV_HEADS, max_context, HEAD_DIM, DTYPE)
-        tiling = dict(tokens_per_step=tokens_per_step or step, num_warps=num_warps,
-                      num_stages=num_stages, num_splits=max(1, int(splits * split_factor)))
-        name = "ours" if tokens_per_step is None else "ours " + _tiling_name(tiling)
+    for overrides in variants:
+        tiling = {**default_tiling(batch, NUM_KV_HEADS, max_context, HEAD_DIM, DTYPE),
+                  "num_warps": 4, **overrides}
+        name = "ours " + _tiling_name(tiling) if overrides else "ours"
         fn = chained(functools.partial(pk.paged_attention_decode_gpu, **tiling))
-        row[name] = median_seconds(fn, arg_sets) / CHAIN
+        row[name] = _try(lambda: median_seconds(fn, arg_sets) / CHAIN)  # a tiling may not fit
         row.setdefault("tilings", {})[name] = tiling
     if with_peers:
         bundled = bundled_gpu_paged_attention()
@@ -129,21 +129,22 @@ def decode_row(key, batch, context, block_size, ceiling, variants, with_peers):
 
 
 def sweep_variants(batch, context):
-    """--sweep: the tilings tried per issue case (split counts only where the default splits)."""
-    _, splits = default_tiling(batch, NUM_KV_HEADS, context, HEAD_DIM, DTYPE)
-    if splits == 1:
-        return [(step, 1, warps, stages) for step in (64, 128) for warps in (4, 8)
-                for stages in (2, 3, 4)]
-    return [(step, factor, 4, stages) for factor in (0.5, 1, 2, 4) for step in (32, 64, 128)
-            for stages in (2, 3)]
+    """--parts sweep: the tilings tried per issue case (split counts only where the default splits)."""
+    if default_tiling(batch, NUM_KV_HEADS, context, HEAD_DIM, DTYPE)["num_splits"] == 1:
+        return [dict(tokens_per_step=step, num_stages=stages, num_warps=warps)
+                for step, stages in ((64, 3), (64, 4), (64, 5), (128, 2), (128, 3))
+                for warps in (4, 8)]
+    return [dict(tokens_per_step=step, num_splits=splits, num_stages=stages, num_warps=warps)
+            for step, stages in ((128, 3), (128, 4), (256, 2)) for splits in (2, 3)
+            for warps in (4, 8)]
 
 
 def format_sweep(rows):
     lines = ["| B | context | tiling | us |", "|---|---|---|---|"]
     for row in rows:
-        for name, tiling in sorted(row["tilings"].items(), key=lambda item: row[item[0]]):
+        for name, tiling in sorted(row["tilings"].items(), key=lambda item: _sort_key(row[item[0]])):
             lines.append(f"| {row['B']} | {row['context']} | {_tiling_name(tiling)} "
-                         f"| {row[name] * 1e6:.1f} |")
+                         f"| {_us(row[name])} |")
     return "\n".join(lines)
 
 
@@ -191,6 +192,10 @@ def cache_write_rows(num_tokens_cases=(64, 256, 2048), num_blocks=32768, block_s
     return "\n".join(lines)
 
 
+def _sort_key(seconds):
+    return seconds if isinstance(seconds, float) else float("inf")
+
+
 def _tiling_name(tiling):
     return "C{tokens_per_step}/sp{num_splits}/w{num_warps}/st{num_stages}".format(**tiling)
 
@@ -199,7 +204,7 @@ def _try(fn):
     try:
         return fn()
     except Exception as error:  # a peer failing (OOM, unsupported) must not stop the table
-        return f"error: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
+        return f"error: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:80]}"
 
 
 def copy_bandwidth():
@@ -308,20 +313,20 @@ def versions():
             f"jaxlib {jaxlib.__version__}, triton {triton_version}, python {platform.python_version()}")
 
 
-PARTS = ("decode", "sweep", "cudnn", "prefill", "write")
+PARTS = ("decode", "sweep", "cudnn", "torch", "prefill", "write")
 
 
 def decode_plan(parts):
     plan = []
     if "sweep" in parts:
-        plan += [(b, c, 16, DECODE_VARIANTS[:1] + sweep_variants(b, c), True)
+        plan += [(b, c, 16, [{}] + sweep_variants(b, c), True)
                  for b, c in ISSUE_CASES]
     if "decode" in parts:
         if "sweep" not in parts:
             plan += [(b, c, 16, DECODE_VARIANTS, True) for b, c in ISSUE_CASES]
         plan += [(b, c, 16, DECODE_VARIANTS[:1], True) for b, c in DECODE_GRID
                  if (b, c) not in ISSUE_CASES]
-        plan += [(*PAGE_SIZE_CASE, s, DECODE_VARIANTS[:2], False) for s in (32, 64, 128)]
+        plan += [(*PAGE_SIZE_CASE, s, DECODE_VARIANTS[:1], False) for s in (32, 64, 128)]
     return plan
 
 
@@ -345,7 +350,7 @@ def main():
     parser.add_argument("--out", help="also write the markdown tables here")
     parser.add_argument("--budget-seconds", type=float, default=300,
                         help="stop starting new cases after this long (tables stay partial)")
-    parser.add_argument("--parts", default="decode,cudnn,prefill,write",
+    parser.add_argument("--parts", default="decode,cudnn,torch,prefill,write",
                         help=f"comma-separated subset of {PARTS}; sweep = many tilings per issue case")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -375,6 +380,11 @@ def main():
     if "cudnn" in parts:
         sections += ["## cuDNN decode on a contiguous cache (jax.nn.dot_product_attention)",
                      cudnn_table(bandwidth, deadline)]
+    if "torch" in parts:
+        available, version = torch_peers.torch_available()
+        sections += [f"## torch peers in the same process (torch {version})",
+                     torch_peers.peer_table(ISSUE_CASES, PREFILL_CASES) if available
+                     else f"(not run: {version})"]
     if "write" in parts:
         sections += ["## Cache write, one layer (K=8, D=128, bf16, 32768 blocks of 16)",
                      cache_write_rows()]

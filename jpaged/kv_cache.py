@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import write_to_pages
+import pallas_kernels
 
 SINK_BLOCK = 0
 PAD_SLOT = -1
@@ -55,10 +55,15 @@ def init_cache(num_layers, num_kv_heads, num_blocks, block_size, head_dim, dtype
                    tuple(zeros() for _ in range(num_layers)))
 
 
-def write_layer(cache: KVCache, layer: int, k_new, v_new, slot_mapping) -> KVCache:
-    """Write one layer's new keys/values k_new, v_new [T, K, D] at slot_mapping [T]."""
-    k_layer, v_layer = write_to_pages(cache.k_pages[layer], cache.v_pages[layer], k_new, v_new,
-                                      slot_mapping)
+def write_layer(cache: KVCache, layer: int, k_new, v_new, slot_mapping, *, backend="reference",
+                interpret=False) -> KVCache:
+    """Write one layer's new keys/values k_new, v_new [T, K, D] at slot_mapping [T].
+
+    backend/interpret pick the writer as for attention (`pallas_kernels.write_to_pages`).
+    """
+    k_layer, v_layer = pallas_kernels.write_to_pages(
+        cache.k_pages[layer], cache.v_pages[layer], k_new, v_new, slot_mapping, backend=backend,
+        interpret=interpret)
     k_pages = cache.k_pages[:layer] + (k_layer,) + cache.k_pages[layer + 1:]
     v_pages = cache.v_pages[:layer] + (v_layer,) + cache.v_pages[layer + 1:]
     return KVCache(k_pages, v_pages)

@@ -12,7 +12,8 @@ interpreter (CPU tests); the reference ignores it.
 from pallas_kernels import reference
 from pallas_kernels.gpu.decode import paged_attention_decode as paged_attention_decode_gpu
 from pallas_kernels.gpu.prefill import paged_attention_prefill as paged_attention_prefill_gpu
-from pallas_kernels.reference import check_page_layout, dense_causal_attention, write_to_pages
+from pallas_kernels.gpu.cache_write import write_to_pages as write_to_pages_gpu
+from pallas_kernels.reference import check_page_layout, dense_causal_attention
 from pallas_kernels.tpu.decode import paged_attention_decode as paged_attention_decode_tpu
 from pallas_kernels.tpu.prefill import paged_attention_prefill as paged_attention_prefill_tpu
 
@@ -24,7 +25,7 @@ _PREFILL = {"pallas_gpu": paged_attention_prefill_gpu, "pallas_tpu": paged_atten
 __all__ = ["BACKENDS", "check_page_layout", "dense_causal_attention", "paged_attention_decode",
            "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
            "paged_attention_prefill_gpu", "paged_attention_prefill_tpu", "reference",
-           "write_to_pages"]
+           "write_to_pages", "write_to_pages_gpu"]
 
 
 def _check_backend(backend, kernel_options):
@@ -64,3 +65,18 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
                                                  query_start_loc, scale=scale)
     return _PREFILL[backend](q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                              scale=scale, interpret=interpret, **kernel_options)
+
+
+def write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, backend="reference",
+                   interpret=False):
+    """Write k_new, v_new [T, K, D] into pages [K, N, S, D] at slot_mapping [T] (-1 skips).
+
+    "pallas_gpu" runs the Pallas cache-write kernel (faster than XLA's scatter on the H200, see
+    benchmarks/results/kernels_h200.md); the reference and "pallas_tpu" use XLA's scatter. Callers
+    donate the pages so either writes in place. Returns the updated (k_pages, v_pages).
+    """
+    _check_backend(backend, {})
+    if backend == "pallas_gpu":
+        return write_to_pages_gpu(k_pages, v_pages, k_new, v_new, slot_mapping,
+                                  interpret=interpret)
+    return reference.write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping)

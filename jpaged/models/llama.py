@@ -39,7 +39,8 @@ class LlamaAttention(nnx.Module):
         k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)   # [T, K, D]
         v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)   # [T, K, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache = kv.write_layer(cache, self.layer_index, k, v, metadata.slot_mapping)
+        cache = kv.write_layer(cache, self.layer_index, k, v, metadata.slot_mapping,
+                               backend=metadata.backend, interpret=metadata.interpret)
         out = paged_attention(q, cache.k_pages[self.layer_index], cache.v_pages[self.layer_index],
                               metadata, scale=self.head_dim ** -0.5)
         return self.o_proj(out.reshape(num_tokens, -1)), cache

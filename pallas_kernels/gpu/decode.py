@@ -22,8 +22,7 @@ from pallas_kernels import _online_softmax as softmax
 from pallas_kernels._compat import dot_f32, pl, plgpu, triton_params
 from pallas_kernels._validate import check_decode_args, check_power_of_two
 
-# Enough programs for two waves on an H200 (132 SMs); splits are chosen to reach this.
-_TARGET_PROGRAMS = 264
+_NUM_SMS = 132  # H100/H200 SXM: the default tiling fills them with one wave of programs
 _MIN_DOT_ROWS = 16  # Triton's dot needs >= 16 rows: a GQA group is padded (by masked loads) to this.
 
 
@@ -107,22 +106,29 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pag
 
 
 def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
-    """(tokens_per_step, num_splits) used when the caller passes None.
+    """The tiling used when the caller passes None: dict(tokens_per_step, num_splits, num_stages).
 
-    A step holds ~16 KiB of K (64 bf16 tokens at D=128); splits aim at `_TARGET_PROGRAMS` programs
-    with at least four steps each. `max_context` is M*S (the table width), a static bound.
+    From the H200 sweep in benchmarks/results/kernels_h200.md (bf16, D=128, S=16):
+    - batch * kv heads >= SMs: no split; 16 KiB of K per step (64 tokens), 4 pipeline stages.
+    - fewer: one wave of split programs (SMs // (batch * kv heads) splits, each of >= 4 steps),
+      32 KiB per step (128 tokens), 3 stages (K and V tiles of 3 stages just fit one SM).
+    `max_context` is M*S (the table width), a static bound.
     """
-    tokens_per_step = max(16, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
-    max_steps = pl.cdiv(max_context, tokens_per_step)
-    num_splits = max(1, min(pl.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads), max_steps // 4))
-    return tokens_per_step, num_splits
+    step_tokens = max(16, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
+    programs = batch * num_kv_heads
+    if programs >= _NUM_SMS:
+        return dict(tokens_per_step=step_tokens, num_splits=1, num_stages=4)
+    step_tokens *= 2
+    max_splits = max(1, pl.cdiv(max_context, step_tokens) // 4)
+    return dict(tokens_per_step=step_tokens, num_splits=min(_NUM_SMS // programs, max_splits),
+                num_stages=3)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "interpret", "num_splits", "tokens_per_step", "num_warps", "num_stages"))
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
                            interpret=False, num_splits=None, tokens_per_step=None,
-                           num_warps=4, num_stages=2):
+                           num_warps=4, num_stages=None):
     """Paged decode attention on a GPU (Pallas Triton); same contract as the reference.
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D] (kv-head-major pages, block 0 a never-read sink);
@@ -140,11 +146,11 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     check_power_of_two("head dim", head_dim, 16)
     check_power_of_two("block size (k_pages.shape[2])", block_size, 1)
     max_context = block_tables.shape[1] * block_size
-    default_step, default_splits = default_tiling(batch, num_kv_heads, max_context, head_dim,
-                                                  q.dtype)
-    tokens_per_step = tokens_per_step or default_step
+    default = default_tiling(batch, num_kv_heads, max_context, head_dim, q.dtype)
+    tokens_per_step = tokens_per_step or default["tokens_per_step"]
     check_power_of_two("tokens_per_step", tokens_per_step, 16)
-    num_splits = num_splits or default_splits
+    num_splits = num_splits or default["num_splits"]
+    num_stages = num_stages or default["num_stages"]
     tokens_per_split = pl.cdiv(pl.cdiv(max_context, num_splits), tokens_per_step) * tokens_per_step
     num_splits = pl.cdiv(max_context, tokens_per_split)
     group = num_heads // num_kv_heads
