@@ -4,12 +4,18 @@ builds the inputs, picks the shapes and dispatches.
 
 Both programs DONATE the block-manager state (argument 1) and the KV cache (argument 2): XLA
 updates them in place, and callers must replace their references with the returned ones.
+
+Inputs travel packed: the host flattens a `StepInputs`/`DecodeInputs` pytree into ONE int32
+buffer (`pack`), sends it with one transfer, and the program unpacks it (`unpack`, static
+`layout`), so a step costs one host-to-device copy however many fields the inputs have.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jpaged import kv_cache, memory
@@ -74,10 +80,43 @@ class DecodeResult:
     out_of_blocks: jax.Array
 
 
-def step_impl(params, manager, cache, inputs: StepInputs, *, graphdef, is_decode, num_logprobs,
-               backend, interpret):
-    """The step body (see the module docstring). Static: graphdef, is_decode, num_logprobs,
-    backend, interpret; everything else is traced."""
+def pack(tree):
+    """(int32 buffer, layout): every leaf of a pytree of 4-byte host arrays, back to back.
+
+    The layout (treedef, leaf shapes and dtypes) is hashable: programs take it as a static
+    argument, and it only changes with the shape buckets.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    if any(a.dtype.itemsize != 4 for a in arrays):
+        raise TypeError(f"pack takes 4-byte leaves, got {[a.dtype.name for a in arrays]}")
+    layout = (treedef, tuple((a.shape, a.dtype.name) for a in arrays))
+    return np.concatenate([a.reshape(-1).view(np.int32) for a in arrays]), layout
+
+
+def pack_traced(tree):
+    """`pack` for traced values (a program building the next program's inputs on the device)."""
+    return jnp.concatenate([jax.lax.bitcast_convert_type(leaf, jnp.int32).reshape(-1)
+                            for leaf in jax.tree_util.tree_leaves(tree)])
+
+
+def unpack(buffer, layout):
+    """The pytree `pack` flattened into buffer, as traced arrays."""
+    treedef, specs = layout
+    leaves, offset = [], 0
+    for shape, dtype in specs:
+        size = math.prod(shape)
+        part = buffer[offset:offset + size].reshape(shape)
+        leaves.append(part if dtype == "int32" else jax.lax.bitcast_convert_type(part, dtype))
+        offset += size
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def step_impl(params, manager, cache, packed, *, layout, graphdef, is_decode, num_logprobs,
+              backend, interpret):
+    """The step body (see the module docstring). packed: `pack(StepInputs)`'s buffer. Static:
+    layout, graphdef, is_decode, num_logprobs, backend, interpret; everything else is traced."""
+    inputs: StepInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, params)
     num_tokens, batch = inputs.token_ids.shape[0], inputs.seq_ids.shape[0]
     active = inputs.seq_ids >= 0
@@ -111,9 +150,10 @@ def step_impl(params, manager, cache, inputs: StepInputs, *, graphdef, is_decode
     return manager, cache, out, appended.ok
 
 
-def decode_loop_impl(params, manager, cache, inputs: DecodeInputs, *, graphdef, max_steps,
-                      max_model_len, num_logprobs, backend, interpret):
-    """Up to inputs.num_steps decode iterations for the whole batch in one `lax.while_loop`.
+def decode_loop_impl(params, manager, cache, packed, *, layout, graphdef, max_steps,
+                     max_model_len, num_logprobs, backend, interpret):
+    """Up to inputs.num_steps decode iterations for the whole batch in one `lax.while_loop`;
+    packed: `pack(DecodeInputs)`'s buffer.
 
     Each iteration appends every live row's newest token on the device block manager (a fresh
     block when a row crosses a block boundary, copy-on-write when its last block is shared), runs
@@ -123,6 +163,7 @@ def decode_loop_impl(params, manager, cache, inputs: DecodeInputs, *, graphdef, 
     (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is exactly
     (append live rows, free rows done at i), which `HostBlockMirror` repeats.
     """
+    inputs: DecodeInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, params)
     batch = inputs.seq_ids.shape[0]
     top_width = num_logprobs
@@ -176,26 +217,30 @@ def decode_loop_impl(params, manager, cache, inputs: DecodeInputs, *, graphdef, 
     return manager, cache, result
 
 
-def next_inputs_impl(inputs: DecodeInputs, result: DecodeResult, keep, num_steps):
-    """The inputs of the loop that continues `result`: each live row's last sampled token, its
-    positions and remaining budget advanced by the iterations run."""
+def next_inputs_impl(packed, result: DecodeResult, control, *, layout):
+    """The packed inputs of the loop that continues `result`: each live row's last sampled token,
+    its positions and remaining budget advanced by the iterations run. control: [B + 1] int32,
+    a keep flag per row (0: finished on the host) then the iterations wanted."""
+    inputs: DecodeInputs = unpack(packed, layout)
+    keep, num_steps = control[:-1] != 0, control[-1]
     ran = result.num_done
     last = result.token_ids[jnp.maximum(ran - 1, 0)]
     alive = (inputs.seq_ids >= 0) & (result.done_at < 0) & keep
-    return DecodeInputs(
+    following = DecodeInputs(
         token_ids=jnp.where(ran > 0, last, inputs.token_ids),
         seq_ids=jnp.where(alive, inputs.seq_ids, -1),
         sampling=dataclasses.replace(inputs.sampling, positions=inputs.sampling.positions + ran),
         remaining=inputs.remaining - ran, stop_ids=inputs.stop_ids, num_steps=num_steps)
+    return pack_traced(following)
 
 
 # Module-level, so engines with the same model and shapes share compiled executables.
 # Donated: argument 1 (block-manager state) and 2 (KV cache) are updated in place.
 step_program = jax.jit(step_impl, donate_argnums=(1, 2), static_argnames=(
-    "graphdef", "is_decode", "num_logprobs", "backend", "interpret"))
+    "layout", "graphdef", "is_decode", "num_logprobs", "backend", "interpret"))
 decode_loop = jax.jit(decode_loop_impl, donate_argnums=(1, 2), static_argnames=(
-    "graphdef", "max_steps", "max_model_len", "num_logprobs", "backend", "interpret"))
-next_inputs = jax.jit(next_inputs_impl)
+    "layout", "graphdef", "max_steps", "max_model_len", "num_logprobs", "backend", "interpret"))
+next_inputs = jax.jit(next_inputs_impl, static_argnames="layout")
 free_program = jax.jit(memory.free_seqs, donate_argnums=0)
 fork_program = jax.jit(memory.fork_seqs, donate_argnums=0)
 retain_program = jax.jit(memory.retain_blocks, donate_argnums=0)

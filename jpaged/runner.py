@@ -1,8 +1,9 @@
 """The model runner: the device-side state, shape buckets, input building, dispatch, warm-up.
 
 The runner owns the device state (block-manager pytree, KV cache, model parameters) and calls the
-jitted programs of `device_step.py`. One step takes one host-to-device transfer of a `StepInputs`
-pytree and returns one device-to-host transfer of the sampled tokens; a decode loop likewise. The
+jitted programs of `device_step.py`. One step takes one host-to-device transfer (its `StepInputs`
+packed into one buffer) and returns one device-to-host transfer of the sampled tokens; a decode
+loop likewise, and a chained loop one small transfer of keep flags. The
 programs DONATE the block-manager state and the KV cache, so XLA updates both in place; the
 runner's references to the old buffers are replaced by the returned ones on every call.
 
@@ -20,15 +21,17 @@ from flax import nnx
 
 from jpaged import kv_cache, memory
 from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
-                                decode_loop, fork_program, free_program, next_inputs,
+                                decode_loop, fork_program, free_program, next_inputs, pack,
                                 pop_program, release_program, retain_program, step_program)
 from jpaged.sampling import MAX_LOGPROBS, SamplingTensors
 
 
 @dataclasses.dataclass
 class LaunchedLoop:
-    """A dispatched decode loop: its device inputs and (not yet fetched) results."""
-    inputs: DecodeInputs
+    """A dispatched decode loop: its packed device inputs and (not yet fetched) results."""
+    packed: jax.Array
+    layout: tuple
+    batch: int
     result: DecodeResult
     static: dict
     num_rows: int
@@ -165,10 +168,10 @@ class ModelRunner:
         key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
                inputs.logits_indices.shape[0], is_decode, logprob_bucket)
         start = time.perf_counter()
-        device_inputs = jax.device_put(inputs)
+        packed, layout = pack(inputs)
         self.manager, self.cache, out, ok = self._timed(
-            key, step_program, self.params, self.manager, self.cache, device_inputs,
-            graphdef=self.graphdef, is_decode=is_decode, num_logprobs=logprob_bucket,
+            key, step_program, self.params, self.manager, self.cache, jax.device_put(packed),
+            layout=layout, graphdef=self.graphdef, is_decode=is_decode, num_logprobs=logprob_bucket,
             backend=self.attention_backend, interpret=self.interpret)
         out, ok = jax.device_get((out, ok))
         self.last_device_seconds = time.perf_counter() - start
@@ -208,29 +211,30 @@ class ModelRunner:
                               np.int32(num_steps))
         static = dict(max_steps=max_steps, max_model_len=max_model_len,
                       num_logprobs=MAX_LOGPROBS if num_logprobs else 0)
-        return self._launch(jax.device_put(inputs), static, len(rows))
+        packed, layout = pack(inputs)
+        return self._launch(jax.device_put(packed), layout, (batch, width), static, len(rows))
 
     def continue_decode(self, previous: "LaunchedLoop", keep, num_steps: int) -> "LaunchedLoop":
         """Dispatch the next loop straight from the previous one's device results (its last
         tokens, its live rows), without waiting for them: rows finished on the device stay out,
         and so do rows whose `keep` [rows] flag is False (finished on the host)."""
-        keep_arr = np.zeros(previous.inputs.seq_ids.shape[0], bool)
-        keep_arr[:len(keep)] = keep
-        inputs = self._timed(("next", keep_arr.shape[0], previous.inputs.stop_ids.shape[1]),
-                             next_inputs, previous.inputs, previous.result,
-                             jax.device_put(keep_arr), np.int32(num_steps))
-        return self._launch(inputs, previous.static, previous.num_rows)
+        control = np.zeros(previous.batch[0] + 1, np.int32)  # keep flags, then num_steps
+        control[:len(keep)] = keep
+        control[-1] = num_steps
+        packed = self._timed(("next", *previous.batch), next_inputs, previous.packed,
+                             previous.result, jax.device_put(control), layout=previous.layout)
+        return self._launch(packed, previous.layout, previous.batch, previous.static,
+                            previous.num_rows)
 
-    def _launch(self, device_inputs, static, num_rows) -> "LaunchedLoop":
-        batch = device_inputs.seq_ids.shape[0]
-        key = ("decode", batch, device_inputs.stop_ids.shape[1], static["max_steps"],
-               static["num_logprobs"])
+    def _launch(self, packed, layout, batch, static, num_rows) -> "LaunchedLoop":
+        """batch: (rows, stop-id width) buckets of the loop's inputs."""
+        key = ("decode", *batch, static["max_steps"], static["num_logprobs"])
         start = time.perf_counter()
         self.manager, self.cache, result = self._timed(
-            key, decode_loop, self.params, self.manager, self.cache, device_inputs,
+            key, decode_loop, self.params, self.manager, self.cache, packed, layout=layout,
             graphdef=self.graphdef, backend=self.attention_backend, interpret=self.interpret,
             **static)
-        return LaunchedLoop(device_inputs, result, static, num_rows, start)
+        return LaunchedLoop(packed, layout, batch, result, static, num_rows, start)
 
     def fetch_decode(self, launched: "LaunchedLoop", count: int) -> DecodeResult:
         """Wait for a launched loop; its results on the host, cut to the real rows."""

@@ -247,3 +247,41 @@ def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints)
     assert "abort" not in outputs
     assert eng.num_free_blocks == 63
     assert_mirror_matches_device(eng)
+
+
+def test_pack_round_trips_every_leaf_dtype():
+    from jpaged.device_step import pack, pack_traced, unpack
+    tree = {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "b": np.float32([1.5, -2.25]),
+            "c": np.uint32([7, 2 ** 32 - 1]), "d": np.int32(4)}
+    packed, layout = pack(tree)
+    assert packed.dtype == np.int32 and packed.shape == (6 + 2 + 2 + 1,)
+    out = jax.jit(unpack, static_argnums=1)(packed, layout)
+    for key, value in tree.items():
+        assert out[key].dtype == value.dtype and out[key].shape == value.shape
+        np.testing.assert_array_equal(out[key], value)
+    np.testing.assert_array_equal(jax.jit(pack_traced)(out), packed)
+    with pytest.raises(TypeError, match="4-byte"):
+        pack({"x": np.zeros(2, np.int64)})
+
+
+@pytest.mark.parametrize("k,async_scheduling", [(1, False), (4, False), (4, True)])
+def test_one_host_to_device_transfer_per_step(hf_checkpoints, monkeypatch, k, async_scheduling):
+    """Once every request decodes, a step (a mixed step, a launched loop or a chained loop)
+    moves its inputs with exactly one device_put of one array."""
+    llm = LLM(hf_checkpoints["llama_gqa"], num_kv_blocks=96, max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=64, num_scheduler_steps=k, async_scheduling=async_scheduling)
+    engine = llm.engine
+    prompts, params = requests()
+    for index, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(str(index), prompt_token_ids=prompt, params=param)
+    while engine.scheduler.waiting:
+        engine.step()
+    engine.step()  # the last prompt's first decode: its forks and frees settle
+    calls = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **kw: calls.append(
+        len(jax.tree_util.tree_leaves(x))) or real_put(x, *a, **kw))
+    for _ in range(3):
+        calls.clear()
+        engine.step()
+        assert calls == [1], calls
