@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - depends on the jax build
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
 
 __all__ = ["pl", "plgpu", "pltpu", "plmgpu", "JAX_VERSION", "triton_params", "tpu_params",
-           "tpu_interpret", "dot_f32", "bundled_gpu_paged_attention"]
+           "tpu_interpret", "mosaic_gpu_interpret", "dot_f32", "bundled_gpu_paged_attention"]
 
 
 def triton_params(num_warps, num_stages):
@@ -41,6 +41,20 @@ def tpu_interpret(interpret):
     `interpret=True` would silently read another page.
     """
     return pltpu.InterpretParams() if interpret else False
+
+
+def mosaic_gpu_interpret(interpret):
+    """The `interpret=` value for a Mosaic GPU kernel: its own interpreter, which exists from 0.11.
+
+    None (not False) means "compile": that is what `plmgpu.kernel` takes by default.
+    """
+    if not interpret:
+        return None
+    params = getattr(plmgpu, "InterpretGPUParams", None)
+    if params is None:
+        raise NotImplementedError(f"jax {jax.__version__} cannot interpret Mosaic GPU kernels "
+                                  "(InterpretGPUParams arrived in jax 0.11)")
+    return params()
 
 
 def dot_f32(a, b, *, transpose_b=False):
