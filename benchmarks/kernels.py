@@ -313,7 +313,7 @@ def versions():
             f"jaxlib {jaxlib.__version__}, triton {triton_version}, python {platform.python_version()}")
 
 
-PARTS = ("decode", "sweep", "cudnn", "torch", "prefill", "write")
+PARTS = ("issue", "decode", "sweep", "cudnn", "torch", "prefill", "write")
 
 
 def decode_plan(parts):
@@ -321,6 +321,8 @@ def decode_plan(parts):
     if "sweep" in parts:
         plan += [(b, c, 16, [{}] + sweep_variants(b, c), True)
                  for b, c in ISSUE_CASES]
+    if "issue" in parts and not {"decode", "sweep"} & set(parts):  # issue cases, default tiling
+        plan += [(b, c, 16, DECODE_VARIANTS[:1], True) for b, c in ISSUE_CASES]
     if "decode" in parts:
         if "sweep" not in parts:
             plan += [(b, c, 16, DECODE_VARIANTS, True) for b, c in ISSUE_CASES]
@@ -346,13 +348,17 @@ def cudnn_table(bandwidth, deadline):
 
 
 def main():
+    global CHAIN
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the markdown tables here")
     parser.add_argument("--budget-seconds", type=float, default=300,
                         help="stop starting new cases after this long (tables stay partial)")
+    parser.add_argument("--chain", type=int, default=4,
+                        help="dependent kernel calls per jitted dispatch (amortizes host dispatch)")
     parser.add_argument("--parts", default="decode,cudnn,torch,prefill,write",
                         help=f"comma-separated subset of {PARTS}; sweep = many tilings per issue case")
     args = parser.parse_args()
+    CHAIN = args.chain
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
@@ -374,6 +380,7 @@ def main():
     if decode_rows:
         sections += ["## Decode (H=32, K=8, D=128, bf16; S=16 unless noted)",
                      format_decode(decode_rows, bandwidth)]
+    sections.insert(1, f"{CHAIN} dependent calls per jitted dispatch")
     if "sweep" in parts:
         sections += ["## Decode tiling sweep (issue cases, fastest first)",
                      format_sweep(decode_rows[:len(ISSUE_CASES)])]

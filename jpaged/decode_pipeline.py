@@ -35,7 +35,8 @@ class DecodePipeline:
         self.ran_dry = False                 # the last fetched loop stopped for lack of blocks
 
     def launch(self, rows: list[ScheduledRow], num_steps: int):
-        """Dispatch a loop for freshly scheduled decode rows (iteration 0 already planned)."""
+        """Dispatch a loop of num_steps iterations (its static trip count) for freshly scheduled
+        decode rows (iteration 0 already planned)."""
         engine = self.engine
         launched = engine.runner.launch_decode(
             [(row.seq.slot, row.token_ids[0]) for row in rows],
@@ -43,8 +44,7 @@ class DecodePipeline:
              for row in rows],
             [row.request.params.max_tokens - len(row.seq.output_token_ids) for row in rows],
             [engine.stop_ids(row.request.params) for row in rows],
-            min(num_steps, engine.loop_capacity), engine.loop_capacity,
-            engine.config.max_model_len, max(row.request.params.logprobs or 0 for row in rows))
+            num_steps, num_steps, engine.config.max_model_len, max(row.request.params.logprobs or 0 for row in rows))
         self.in_flight = InFlight(rows, launched, [True] * len(rows), True, [True] * len(rows))
 
     def advance(self, chain: bool):
@@ -57,7 +57,7 @@ class DecodePipeline:
         if chain:
             keep = [not row.seq.is_finished for row in current.rows]
             following = InFlight(current.rows, engine.runner.continue_decode(
-                current.launched, keep, engine.loop_capacity), None, False, keep)
+                current.launched, keep, current.launched.static["max_steps"]), None, False, keep)
         result = engine.runner.fetch_decode(current.launched, len(current.rows))
         done_at = [int(d) for d in result.done_at]
         num_done = int(result.num_done)

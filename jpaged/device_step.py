@@ -141,9 +141,7 @@ def step_impl(params, manager, cache, packed, *, layout, graphdef, is_decode, nu
         context_lens=jnp.where(active, manager.seq_lens[seq_rows], 0),
         query_start_loc=query_start_loc, is_decode=is_decode,
         backend=backend, interpret=interpret)
-    # Copy-on-write is rare (first write after a fork): skip the gather when nothing copies.
-    cache = jax.lax.cond(jnp.any(appended.copies[:, 1] >= 0), kv_cache.copy_blocks,
-                         lambda unchanged, _: unchanged, cache, appended.copies)
+    cache = kv_cache.copy_blocks(cache, appended.copies)  # rows without a copy read the sink
     hidden, cache = model(inputs.token_ids, positions, cache, metadata)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     out = sample(logits, inputs.sampling, num_logprobs=num_logprobs)
@@ -151,69 +149,72 @@ def step_impl(params, manager, cache, packed, *, layout, graphdef, is_decode, nu
 
 
 def decode_loop_impl(params, manager, cache, packed, *, layout, graphdef, max_steps,
-                     max_model_len, num_logprobs, backend, interpret):
-    """Up to inputs.num_steps decode iterations for the whole batch in one `lax.while_loop`;
+                     max_model_len, num_logprobs, sort, backend, interpret):
+    """Up to inputs.num_steps decode iterations for the whole batch in one device loop;
     packed: `pack(DecodeInputs)`'s buffer.
 
     Each iteration appends every live row's newest token on the device block manager (a fresh
     block when a row crosses a block boundary, copy-on-write when its last block is shared), runs
     the model, samples, and retires rows that produced a stop id or used up their `remaining`
-    tokens or max_model_len: their blocks are freed inside the loop. The loop stops when the
-    iterations are done, every row has finished, or the pool cannot serve the next iteration
-    (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is exactly
-    (append live rows, free rows done at i), which `HostBlockMirror` repeats.
+    tokens or max_model_len: their blocks are freed inside the loop. Iterations stop counting
+    when inputs.num_steps are done, every row has finished, or the pool cannot serve the next
+    iteration (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is
+    exactly (append live rows, free rows done at i), which `HostBlockMirror` repeats.
+
+    The loop has a static trip count (max_steps) and no data-dependent branch: an iteration past
+    the stop appends, writes and frees nothing, and copy-on-write and frees run unconditionally
+    (with nothing to do they touch only the sink block). On a GPU a `while_loop` predicate or a
+    `cond` copies a flag to the host and waits for the device, once per iteration; without them
+    the dispatching thread enqueues the whole loop and returns (async scheduling overlaps it).
     """
     inputs: DecodeInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, params)
     batch = inputs.seq_ids.shape[0]
-    top_width = num_logprobs
     ones = jnp.ones(batch, jnp.int32)
+    wanted = jnp.minimum(inputs.num_steps, max_steps)
 
     def live_ids(active):
         return jnp.where(active, inputs.seq_ids, -1)
 
-    def cond(carry):
-        step, manager, _, active = carry[0], carry[1], carry[2], carry[4]
-        return ((step < jnp.minimum(inputs.num_steps, max_steps)) & jnp.any(active)
-                & memory.can_append(manager, live_ids(active), ones))
-
-    def body(carry):
-        step, manager, cache, tokens, active, outputs, done_at = carry
-        seq_ids = live_ids(active)
+    def body(step, carry):
+        manager, cache, tokens, active, outputs, done_at, num_done = carry
+        runs = ((step < wanted) & jnp.any(active)
+                & memory.can_append(manager, live_ids(active), ones))  # monotone: a prefix runs
+        live = active & runs
+        seq_ids = live_ids(live)
         manager, appended = memory.append_tokens(manager, seq_ids, ones, max_tokens=1)
         seq_rows = jnp.maximum(seq_ids, 0)
-        context_lens = jnp.where(active, manager.seq_lens[seq_rows], 0)
+        context_lens = jnp.where(live, manager.seq_lens[seq_rows], 0)
         metadata = AttentionMetadata(
             slot_mapping=appended.slot_mapping[:, 0], block_tables=manager.block_tables[seq_rows],
             context_lens=context_lens,
             query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32), is_decode=True,
             backend=backend, interpret=interpret)
-        cache = jax.lax.cond(jnp.any(appended.copies[:, 1] >= 0), kv_cache.copy_blocks,
-                             lambda unchanged, _: unchanged, cache, appended.copies)
+        cache = kv_cache.copy_blocks(cache, appended.copies)
         hidden, cache = model(tokens, jnp.maximum(context_lens - 1, 0), cache, metadata)
         sampling = dataclasses.replace(inputs.sampling,
                                        positions=inputs.sampling.positions + step)
-        out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs)
+        out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs, sort=sort)
         is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
-        finished = active & (is_stop | (step + 1 >= inputs.remaining)
-                             | (context_lens + 1 >= max_model_len))
-        manager = jax.lax.cond(jnp.any(finished), memory.free_seqs,
-                               lambda unchanged, _: unchanged, manager,
-                               jnp.where(finished, inputs.seq_ids, -1))
+        finished = live & (is_stop | (step + 1 >= inputs.remaining)
+                           | (context_lens + 1 >= max_model_len))
+        manager = memory.free_seqs(manager, jnp.where(finished, inputs.seq_ids, -1))
         outputs = tuple(buffer.at[step].set(value) for buffer, value in zip(
             outputs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
-        return (step + 1, manager, cache, out.token_ids, active & ~finished, outputs,
-                jnp.where(finished, step, done_at))
+        return (manager, cache, jnp.where(live, out.token_ids, tokens), active & ~finished,
+                outputs, jnp.where(finished, step, done_at), num_done + runs)
 
     outputs = (jnp.zeros((max_steps, batch), jnp.int32), jnp.zeros((max_steps, batch)),
-               jnp.zeros((max_steps, batch, top_width), jnp.int32),
-               jnp.zeros((max_steps, batch, top_width)))
-    carry = (jnp.int32(0), manager, cache, inputs.token_ids, inputs.seq_ids >= 0, outputs,
-             jnp.full(batch, -1, jnp.int32))
-    step, manager, cache, _, active, outputs, done_at = jax.lax.while_loop(cond, body, carry)
-    out_of_blocks = ((step < jnp.minimum(inputs.num_steps, max_steps)) & jnp.any(active)
+               jnp.zeros((max_steps, batch, num_logprobs), jnp.int32),
+               jnp.zeros((max_steps, batch, num_logprobs)))
+    carry = (manager, cache, inputs.token_ids, inputs.seq_ids >= 0, outputs,
+             jnp.full(batch, -1, jnp.int32), jnp.int32(0))
+    manager, cache, _, active, outputs, done_at, num_done = jax.lax.fori_loop(
+        0, max_steps, body, carry)
+    out_of_blocks = ((num_done < wanted) & jnp.any(active)
                      & ~memory.can_append(manager, live_ids(active), ones))
-    result = DecodeResult(*outputs, done_at=done_at, num_done=step, out_of_blocks=out_of_blocks)
+    result = DecodeResult(*outputs, done_at=done_at, num_done=num_done,
+                          out_of_blocks=out_of_blocks)
     return manager, cache, result
 
 
@@ -239,7 +240,8 @@ def next_inputs_impl(packed, result: DecodeResult, control, *, layout):
 step_program = jax.jit(step_impl, donate_argnums=(1, 2), static_argnames=(
     "layout", "graphdef", "is_decode", "num_logprobs", "backend", "interpret"))
 decode_loop = jax.jit(decode_loop_impl, donate_argnums=(1, 2), static_argnames=(
-    "layout", "graphdef", "max_steps", "max_model_len", "num_logprobs", "backend", "interpret"))
+    "layout", "graphdef", "max_steps", "max_model_len", "num_logprobs", "sort", "backend",
+    "interpret"))
 next_inputs = jax.jit(next_inputs_impl, static_argnames="layout")
 free_program = jax.jit(memory.free_seqs, donate_argnums=0)
 fork_program = jax.jit(memory.fork_seqs, donate_argnums=0)

@@ -77,9 +77,6 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, kv_dtype=config.kv_dtype,
             attention_backend=config.attention_backend, interpret=config.interpret)
-        # The decode loop's output buffers are sized once (a static shape); each step may run
-        # fewer iterations, so benchmarks can vary num_scheduler_steps without recompiling.
-        self.loop_capacity = config.num_scheduler_steps
         if num_swap_blocks:
             self.runner.swap_store = SwapStore(config.num_kv_blocks, self.bytes_per_block)
         self.warmup_seconds = 0.0
@@ -229,9 +226,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return the outputs of requests that made progress.
 
-        A step of pure decodes runs as one device loop of up to `num_scheduler_steps` iterations
-        when no request is waiting (so new requests join at the next step: TTFT is unaffected),
-        and of one iteration otherwise. With `async_scheduling`, while nothing waits, the next
+        A step of pure decodes runs as one device loop of `num_scheduler_steps` iterations when no
+        request is waiting, and as a single ordinary step otherwise (so a waiting request joins
+        at the next step: TTFT does not grow with K). With `async_scheduling`, while nothing waits, the next
         loop is dispatched before this one's tokens are processed on the host, so the host work
         overlaps the device; outputs then trail the device by one step.
         """
@@ -246,10 +243,9 @@ class LLMEngine:
             if not schedule.rows:
                 return []
             rows, is_decode, num_tokens = schedule.rows, schedule.is_decode, schedule.num_tokens
-            if self._is_pure_decode(schedule):
-                queued = self.scheduler.waiting or self.scheduler.swapped
-                self.pipeline.launch(schedule.rows, 1 if queued
-                                     else self.config.num_scheduler_steps)
+            queued = self.scheduler.waiting or self.scheduler.swapped
+            if self._is_pure_decode(schedule) and not queued:
+                self.pipeline.launch(schedule.rows, self.config.num_scheduler_steps)
                 if self._can_chain():
                     return []  # this loop's tokens come back with the next step
                 results, device_freed = self.pipeline.advance(chain=False)

@@ -23,7 +23,7 @@ from jpaged import kv_cache, memory
 from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
                                 decode_loop, fork_program, free_program, next_inputs, pack,
                                 pop_program, release_program, retain_program, step_program)
-from jpaged.sampling import MAX_LOGPROBS, SamplingTensors
+from jpaged.sampling import MAX_LOGPROBS, SamplingTensors, needs_sort
 
 
 @dataclasses.dataclass
@@ -210,7 +210,8 @@ class ModelRunner:
         inputs = DecodeInputs(token_ids, seq_ids, sampling, remaining_arr, stop_arr,
                               np.int32(num_steps))
         static = dict(max_steps=max_steps, max_model_len=max_model_len,
-                      num_logprobs=MAX_LOGPROBS if num_logprobs else 0)
+                      num_logprobs=MAX_LOGPROBS if num_logprobs else 0,
+                      sort=needs_sort(sampling_rows))
         packed, layout = pack(inputs)
         return self._launch(jax.device_put(packed), layout, (batch, width), static, len(rows))
 
@@ -228,7 +229,7 @@ class ModelRunner:
 
     def _launch(self, packed, layout, batch, static, num_rows) -> "LaunchedLoop":
         """batch: (rows, stop-id width) buckets of the loop's inputs."""
-        key = ("decode", *batch, static["max_steps"], static["num_logprobs"])
+        key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sort"])
         start = time.perf_counter()
         self.manager, self.cache, result = self._timed(
             key, decode_loop, self.params, self.manager, self.cache, packed, layout=layout,
@@ -269,8 +270,9 @@ class ModelRunner:
     def warmup(self, *, max_steps: int, max_model_len: int, progress: bool = True):
         """Compile every bucket shape now, with all-padding inputs that change no state.
 
-        Decode loops for each batch bucket, mixed steps for each token bucket (each with and
-        without top logprobs), every block-operation size, and the swap transfers.
+        For each batch bucket: decode loops (with and without the sampler's sort) and a single
+        decode step; mixed steps for each token bucket (all with and without top logprobs);
+        every block-operation size, and the swap transfers.
         """
         from jpaged.sampling import SamplingParams, SamplingRow
         from tqdm.auto import tqdm
@@ -278,7 +280,8 @@ class ModelRunner:
         jobs = []
         for logprobs in (0, 1):
             for batch in self.bucket_sizes(4, self.max_num_seqs):
-                jobs.append(("decode", batch, logprobs))
+                jobs += [("decode", batch, logprobs), ("decode_sort", batch, logprobs),
+                         ("decode_step", batch, logprobs)]
             for tokens in self.bucket_sizes(min(128, self.max_num_batched_tokens),
                                             self.max_num_batched_tokens):
                 jobs.append(("step", tokens, logprobs))
@@ -290,14 +293,18 @@ class ModelRunner:
         if self.swap_store is not None:
             jobs.append(("swap", 0, 0))
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
+        sort_row = SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, 0, 0)
         for kind, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
-            if kind == "decode":
-                launched = self.launch_decode([(-1, 0)] * size, [pad_row] * size, [0] * size,
+            if kind in ("decode", "decode_sort"):
+                row = sort_row if kind == "decode_sort" else pad_row
+                launched = self.launch_decode([(-1, 0)] * size, [row] * size, [0] * size,
                                               [[]] * size, 1, max_steps, max_model_len, logprobs)
                 self.fetch_decode(self.continue_decode(launched, [False] * size, 1), size)
             elif kind == "step":
                 # One padded row per token bucket: seq -1 appends nothing, writes are dropped.
                 self.execute([(-1, [0] * size)], [(0, pad_row)], logprobs)
+            elif kind == "decode_step":  # a single decode step (requests are waiting)
+                self.execute([(-1, [0])] * size, [(0, pad_row)], logprobs)
             elif kind == "swap":
                 self.cache = self.swap_store.warmup(self.cache)
             else:  # padding only: operations on nothing

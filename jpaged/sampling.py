@@ -203,8 +203,14 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [B, L] float32 their logprobs, descending
 
 
-def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
-           ) -> SamplerOutput:
+def needs_sort(rows: Sequence[SamplingRow]) -> bool:
+    """Does any non-greedy row filter with top_k or top_p (the sampler's sort), on the host."""
+    return any(row.params.temperature >= GREEDY_TEMPERATURE
+               and (row.params.top_k > 0 or row.params.top_p < 1.0) for row in rows)
+
+
+def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0,
+           sort: bool | None = None) -> SamplerOutput:
     """Pick one token per row of `logits: [B, V]`; jit-friendly with `num_logprobs` (L) static.
 
     Greedy rows take the argmax. Other rows divide by temperature, keep the top_k tokens, then
@@ -213,6 +219,11 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     min_p times the top token's, and draw from what is left with the Gumbel-max trick. Tokens
     tied with a threshold value are kept. A batch of only greedy rows draws no noise, and a batch
     where no sampled row uses top_k or top_p skips the sort.
+
+    sort (static): None decides both shortcuts on the device with `lax.cond`; a bool (the host's
+    `needs_sort`) decides the sort statically and always draws the noise. On a GPU each cond
+    makes the dispatching thread wait for the device, so loops that must not block (the decode
+    loop) pass a bool. A row with top_k/top_p under sort=False is an error of the caller.
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
@@ -224,10 +235,14 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     logits = logits.astype(jnp.float32)
     is_greedy = tensors.temperature < GREEDY_TEMPERATURE                     # [B]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)               # [B]
-    token_ids = lax.cond(
-        jnp.all(is_greedy),
-        lambda: greedy_ids,
-        lambda: jnp.where(is_greedy, greedy_ids, _sample_random(logits, tensors, is_greedy)))
+    if sort is None:
+        token_ids = lax.cond(
+            jnp.all(is_greedy),
+            lambda: greedy_ids,
+            lambda: jnp.where(is_greedy, greedy_ids, _sample_random(logits, tensors, is_greedy)))
+    else:
+        token_ids = jnp.where(is_greedy, greedy_ids,
+                              _sample_random(logits, tensors, is_greedy, sort=sort))
     # logprob = logit - logsumexp(logits): no [B, V] log_softmax is materialised.
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)                       # [B]
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_normalizer
@@ -257,19 +272,23 @@ def row_keys(tensors: SamplingTensors) -> jax.Array:
     return jax.vmap(key)(tensors.seeds, tensors.sample_indices, tensors.positions)
 
 
-def _sample_random(logits: jax.Array, tensors: SamplingTensors, is_greedy: jax.Array
-                   ) -> jax.Array:
-    """[B] int32 tokens drawn from the filtered, temperature-scaled distribution of each row."""
+def _sample_random(logits: jax.Array, tensors: SamplingTensors, is_greedy: jax.Array,
+                   sort: bool | None = None) -> jax.Array:
+    """[B] int32 tokens drawn from the filtered, temperature-scaled distribution of each row.
+    sort: None decides on the device whether any row needs the top-k/top-p sort (see sample)."""
     batch_size, vocab_size = logits.shape
     temperature = jnp.where(is_greedy, 1.0, tensors.temperature)
     scaled = logits / temperature[:, None]                                   # [B, V]
     is_top_k_on = (tensors.top_k > 0) & (tensors.top_k < vocab_size)
-    needs_sort = ~is_greedy & (is_top_k_on | (tensors.top_p < 1.0))
-    threshold = lax.cond(                                                    # [B]
-        jnp.any(needs_sort),
-        lambda: _top_k_top_p_threshold(scaled, jnp.where(is_top_k_on, tensors.top_k, vocab_size),
-                                       tensors.top_p),
-        lambda: jnp.full((batch_size,), -jnp.inf, jnp.float32))
+    wants_sort = ~is_greedy & (is_top_k_on | (tensors.top_p < 1.0))
+    sorted_threshold = functools.partial(  # [B]
+        _top_k_top_p_threshold, scaled, jnp.where(is_top_k_on, tensors.top_k, vocab_size),
+        tensors.top_p)
+    no_threshold = functools.partial(jnp.full, (batch_size,), -jnp.inf, jnp.float32)
+    if sort is None:
+        threshold = lax.cond(jnp.any(wants_sort), sorted_threshold, no_threshold)
+    else:
+        threshold = sorted_threshold() if sort else no_threshold()
     # p >= min_p * p_max  <=>  scaled >= max(scaled) + log(min_p); log(0) = -inf keeps all.
     min_p_floor = jnp.max(scaled, axis=-1) + jnp.log(tensors.min_p)          # [B]
     is_kept = (scaled >= threshold[:, None]) & (scaled >= min_p_floor[:, None])

@@ -1,7 +1,11 @@
 """Multi-step decode: K decode iterations in one device loop that allocates and frees on the
 device block manager, against K = 1, other batch mixes, and the host mirror."""
 
+import collections
+import functools
+
 import jax
+import jax.extend
 from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 import pytest
@@ -285,3 +289,35 @@ def test_one_host_to_device_transfer_per_step(hf_checkpoints, monkeypatch, k, as
         calls.clear()
         engine.step()
         assert calls == [1], calls
+
+
+def _primitives(jaxpr, counts=None):
+    """Counter of primitive names in a jaxpr, sub-jaxprs (loop bodies, branches) included."""
+    counts = collections.Counter() if counts is None else counts
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _primitives(sub, counts)
+    return counts
+
+
+def test_decode_loop_has_no_data_dependent_control_flow(hf_checkpoints):
+    """No while predicate and no cond: on a GPU each would make the dispatching thread wait for
+    the device every iteration, and async scheduling could not overlap the host. The sampler's
+    sort is in the loop only when a row needs it (decided on the host)."""
+    from jpaged.device_step import decode_loop_impl
+    from jpaged.sampling import SamplingRow
+    runner = engine(hf_checkpoints["llama_gqa"], 4).runner
+    counts = {}
+    for sort in (False, True):
+        params = SamplingParams(temperature=1.0, top_p=0.5 if sort else 1.0)
+        launched = runner.launch_decode([(-1, 0)] * 4, [SamplingRow(params, 0, 0, 0)] * 4,
+                                        [0] * 4, [[]] * 4, 4, 4, 128, 0)
+        assert launched.static["sort"] is sort
+        loop = functools.partial(decode_loop_impl, layout=launched.layout,
+                                 graphdef=runner.graphdef, backend=runner.attention_backend,
+                                 interpret=runner.interpret, **launched.static)
+        counts[sort] = _primitives(jax.make_jaxpr(loop)(
+            runner.params, runner.manager, runner.cache, launched.packed).jaxpr)
+        assert counts[sort]["scan"] and not counts[sort]["while"] + counts[sort]["cond"], sort
+    assert counts[True]["sort"] > counts[False]["sort"]
