@@ -208,7 +208,10 @@ class LLMEngine:
         self.pipeline.deferred.extend(sequences)
 
     def _flush_block_ops(self):
-        """Replay the scheduler's queued frees and forks on the device block manager."""
+        """Replay the scheduler's queued frees and forks on the device block manager (after the
+        in-flight loop's dispatch, which owns that state until it is enqueued)."""
+        if self.scheduler.pending_ops:
+            self.pipeline.wait_dispatched()
         self.runner.apply_ops(self.scheduler.pending_ops)
         self.scheduler.pending_ops = []
 
