@@ -6,16 +6,8 @@ dispatched while loop Y is in flight lands after Y; the mirror therefore applies
 after replaying Y (`deferred`). A sequence finished on the host (a stop string, an abort) while
 it is still live in the in-flight loop is dropped from the loop after that one (`keep`), and its
 tokens from the in-flight loop are discarded.
-
-Chained loops are dispatched from a worker thread. On a GPU, dispatching a loop enqueues every
-kernel of every iteration from the calling thread (thousands of launches for a K-step loop), so
-a loop dispatched from the engine's own thread would keep it busy for about as long as the device
-runs the loop, and nothing would overlap. The worker enqueues loop n+1 while the engine's thread
-fetches and processes loop n. Anything else that touches the runner's device state (block
-operations) first waits for that dispatch (`wait_dispatched`), which keeps device order.
 """
 
-import concurrent.futures
 import dataclasses
 
 from jpaged.request import Sequence
@@ -27,7 +19,7 @@ from jpaged.scheduler import ScheduledRow
 @dataclasses.dataclass
 class InFlight:
     rows: list[ScheduledRow]
-    dispatch: LaunchedLoop | concurrent.futures.Future  # a Future while the worker dispatches
+    launched: LaunchedLoop
     active: list[bool] | None   # rows live when the loop started; known once its parent is fetched
     first_planned: bool         # schedule() already put iteration 0's appends in the mirror
     keep: list[bool]
@@ -41,26 +33,6 @@ class DecodePipeline:
         self.in_flight: InFlight | None = None
         self.deferred: list[Sequence] = []   # frees dispatched after the in-flight loop
         self.ran_dry = False                 # the last fetched loop stopped for lack of blocks
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-
-    def wait_dispatched(self):
-        """Block until the in-flight loop is fully dispatched (the runner's state is current)."""
-        if self.in_flight is not None:
-            self.launched(self.in_flight)
-
-    @staticmethod
-    def launched(flight: InFlight) -> LaunchedLoop:
-        if isinstance(flight.dispatch, concurrent.futures.Future):
-            flight.dispatch = flight.dispatch.result()  # re-raises the worker's error here
-        return flight.dispatch
-
-    def _dispatch_following(self, current: InFlight, keep: list[bool]):
-        if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="jpaged-dispatch")
-        launched = self.launched(current)
-        return self._worker.submit(self.engine.runner.continue_decode, launched, keep,
-                                   launched.static["max_steps"])
 
     def launch(self, rows: list[ScheduledRow], num_steps: int):
         """Dispatch a loop of num_steps iterations (its static trip count) for freshly scheduled
@@ -84,9 +56,9 @@ class DecodePipeline:
         following = None
         if chain:
             keep = [not row.seq.is_finished for row in current.rows]
-            following = InFlight(current.rows, self._dispatch_following(current, keep), None,
-                                 False, keep)
-        result = engine.runner.fetch_decode(self.launched(current), len(current.rows))
+            following = InFlight(current.rows, engine.runner.continue_decode(
+                current.launched, keep, current.launched.static["max_steps"]), None, False, keep)
+        result = engine.runner.fetch_decode(current.launched, len(current.rows))
         done_at = [int(d) for d in result.done_at]
         num_done = int(result.num_done)
         self.ran_dry = bool(result.out_of_blocks)

@@ -208,10 +208,7 @@ class LLMEngine:
         self.pipeline.deferred.extend(sequences)
 
     def _flush_block_ops(self):
-        """Replay the scheduler's queued frees and forks on the device block manager (after the
-        in-flight loop's dispatch, which owns that state until it is enqueued)."""
-        if self.scheduler.pending_ops:
-            self.pipeline.wait_dispatched()
+        """Replay the scheduler's queued frees and forks on the device block manager."""
         self.runner.apply_ops(self.scheduler.pending_ops)
         self.scheduler.pending_ops = []
 
