@@ -149,7 +149,7 @@ def step_impl(params, manager, cache, packed, *, layout, graphdef, is_decode, nu
 
 
 def decode_loop_impl(params, manager, cache, packed, *, layout, graphdef, max_steps,
-                     max_model_len, num_logprobs, sort, backend, interpret):
+                     max_model_len, num_logprobs, sampler, backend, interpret):
     """Up to inputs.num_steps decode iterations for the whole batch in one device loop;
     packed: `pack(DecodeInputs)`'s buffer.
 
@@ -163,7 +163,8 @@ def decode_loop_impl(params, manager, cache, packed, *, layout, graphdef, max_st
 
     The loop has a static trip count (max_steps) and no data-dependent branch: an iteration past
     the stop appends, writes and frees nothing, and copy-on-write and frees run unconditionally
-    (with nothing to do they touch only the sink block). On a GPU a `while_loop` predicate or a
+    (with nothing to do they touch only the sink block), and the sampler's path (`sampler`, one
+    of SAMPLER_MODES) is chosen on the host. On a GPU a `while_loop` predicate or a
     `cond` copies a flag to the host and waits for the device, once per iteration; without them
     the dispatching thread enqueues the whole loop and returns (async scheduling overlaps it).
     """
@@ -194,7 +195,8 @@ def decode_loop_impl(params, manager, cache, packed, *, layout, graphdef, max_st
         hidden, cache = model(tokens, jnp.maximum(context_lens - 1, 0), cache, metadata)
         sampling = dataclasses.replace(inputs.sampling,
                                        positions=inputs.sampling.positions + step)
-        out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs, sort=sort)
+        out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs,
+                     mode=sampler)
         is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
         finished = live & (is_stop | (step + 1 >= inputs.remaining)
                            | (context_lens + 1 >= max_model_len))
@@ -240,7 +242,7 @@ def next_inputs_impl(packed, result: DecodeResult, control, *, layout):
 step_program = jax.jit(step_impl, donate_argnums=(1, 2), static_argnames=(
     "layout", "graphdef", "is_decode", "num_logprobs", "backend", "interpret"))
 decode_loop = jax.jit(decode_loop_impl, donate_argnums=(1, 2), static_argnames=(
-    "layout", "graphdef", "max_steps", "max_model_len", "num_logprobs", "sort", "backend",
+    "layout", "graphdef", "max_steps", "max_model_len", "num_logprobs", "sampler", "backend",
     "interpret"))
 next_inputs = jax.jit(next_inputs_impl, static_argnames="layout")
 free_program = jax.jit(memory.free_seqs, donate_argnums=0)

@@ -23,7 +23,7 @@ from jpaged import kv_cache, memory
 from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
                                 decode_loop, fork_program, free_program, next_inputs, pack,
                                 pop_program, release_program, retain_program, step_program)
-from jpaged.sampling import MAX_LOGPROBS, SamplingTensors, needs_sort
+from jpaged.sampling import MAX_LOGPROBS, SAMPLER_MODES, SamplingTensors, sampler_mode
 
 
 @dataclasses.dataclass
@@ -211,7 +211,7 @@ class ModelRunner:
                               np.int32(num_steps))
         static = dict(max_steps=max_steps, max_model_len=max_model_len,
                       num_logprobs=MAX_LOGPROBS if num_logprobs else 0,
-                      sort=needs_sort(sampling_rows))
+                      sampler=sampler_mode(sampling_rows))
         packed, layout = pack(inputs)
         return self._launch(jax.device_put(packed), layout, (batch, width), static, len(rows))
 
@@ -229,7 +229,7 @@ class ModelRunner:
 
     def _launch(self, packed, layout, batch, static, num_rows) -> "LaunchedLoop":
         """batch: (rows, stop-id width) buckets of the loop's inputs."""
-        key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sort"])
+        key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
         start = time.perf_counter()
         self.manager, self.cache, result = self._timed(
             key, decode_loop, self.params, self.manager, self.cache, packed, layout=layout,
@@ -270,8 +270,7 @@ class ModelRunner:
     def warmup(self, *, max_steps: int, max_model_len: int, progress: bool = True):
         """Compile every bucket shape now, with all-padding inputs that change no state.
 
-        For each batch bucket: decode loops (with and without the sampler's sort) and a single
-        decode step; mixed steps for each token bucket (all with and without top logprobs);
+        For each batch bucket: decode loops (one per sampler mode) and a single decode step; mixed steps for each token bucket (all with and without top logprobs);
         every block-operation size, and the swap transfers.
         """
         from jpaged.sampling import SamplingParams, SamplingRow
@@ -280,8 +279,8 @@ class ModelRunner:
         jobs = []
         for logprobs in (0, 1):
             for batch in self.bucket_sizes(4, self.max_num_seqs):
-                jobs += [("decode", batch, logprobs), ("decode_sort", batch, logprobs),
-                         ("decode_step", batch, logprobs)]
+                jobs += [("decode_" + mode, batch, logprobs) for mode in SAMPLER_MODES]
+                jobs.append(("decode_step", batch, logprobs))
             for tokens in self.bucket_sizes(min(128, self.max_num_batched_tokens),
                                             self.max_num_batched_tokens):
                 jobs.append(("step", tokens, logprobs))
@@ -293,10 +292,12 @@ class ModelRunner:
         if self.swap_store is not None:
             jobs.append(("swap", 0, 0))
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
-        sort_row = SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, 0, 0)
+        mode_rows = {"greedy": pad_row,  # a row that needs exactly this sampler mode
+                     "random": SamplingRow(SamplingParams(temperature=1.0), 0, 0, 0),
+                     "sort": SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, 0, 0)}
         for kind, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
-            if kind in ("decode", "decode_sort"):
-                row = sort_row if kind == "decode_sort" else pad_row
+            if kind.removeprefix("decode_") in mode_rows:
+                row = mode_rows[kind.removeprefix("decode_")]
                 launched = self.launch_decode([(-1, 0)] * size, [row] * size, [0] * size,
                                               [[]] * size, 1, max_steps, max_model_len, logprobs)
                 self.fetch_decode(self.continue_decode(launched, [False] * size, 1), size)

@@ -203,14 +203,20 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [B, L] float32 their logprobs, descending
 
 
-def needs_sort(rows: Sequence[SamplingRow]) -> bool:
-    """Does any non-greedy row filter with top_k or top_p (the sampler's sort), on the host."""
-    return any(row.params.temperature >= GREEDY_TEMPERATURE
-               and (row.params.top_k > 0 or row.params.top_p < 1.0) for row in rows)
+SAMPLER_MODES = ("greedy", "random", "sort")
+
+
+def sampler_mode(rows: Sequence[SamplingRow]) -> str:
+    """The cheapest static sampler path that serves every row, decided on the host: "greedy"
+    (no row samples), "random" (noise, no top_k/top_p filter), or "sort" (some row filters)."""
+    sampled = [row.params for row in rows if row.params.temperature >= GREEDY_TEMPERATURE]
+    if not sampled:
+        return "greedy"
+    return "sort" if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else "random"
 
 
 def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0,
-           sort: bool | None = None) -> SamplerOutput:
+           mode: str | None = None) -> SamplerOutput:
     """Pick one token per row of `logits: [B, V]`; jit-friendly with `num_logprobs` (L) static.
 
     Greedy rows take the argmax. Other rows divide by temperature, keep the top_k tokens, then
@@ -220,10 +226,10 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     tied with a threshold value are kept. A batch of only greedy rows draws no noise, and a batch
     where no sampled row uses top_k or top_p skips the sort.
 
-    sort (static): None decides both shortcuts on the device with `lax.cond`; a bool (the host's
-    `needs_sort`) decides the sort statically and always draws the noise. On a GPU each cond
-    makes the dispatching thread wait for the device, so loops that must not block (the decode
-    loop) pass a bool. A row with top_k/top_p under sort=False is an error of the caller.
+    mode (static): None decides both shortcuts on the device with `lax.cond`; one of
+    SAMPLER_MODES (the host's `sampler_mode` of these rows) fixes the path at trace time. On a
+    GPU each cond makes the dispatching thread wait for the device, so loops that must not block
+    (the decode loop) pass a mode. A mode cheaper than the rows need is the caller's error.
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
@@ -235,14 +241,18 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     logits = logits.astype(jnp.float32)
     is_greedy = tensors.temperature < GREEDY_TEMPERATURE                     # [B]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)               # [B]
-    if sort is None:
+    if mode is None:
         token_ids = lax.cond(
             jnp.all(is_greedy),
             lambda: greedy_ids,
             lambda: jnp.where(is_greedy, greedy_ids, _sample_random(logits, tensors, is_greedy)))
-    else:
+    elif mode == "greedy":
+        token_ids = greedy_ids
+    elif mode in SAMPLER_MODES:
         token_ids = jnp.where(is_greedy, greedy_ids,
-                              _sample_random(logits, tensors, is_greedy, sort=sort))
+                              _sample_random(logits, tensors, is_greedy, sort=mode == "sort"))
+    else:
+        raise ValueError(f"mode must be None or one of {SAMPLER_MODES}, got {mode!r}")
     # logprob = logit - logsumexp(logits): no [B, V] log_softmax is materialised.
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)                       # [B]
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_normalizer

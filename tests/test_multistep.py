@@ -304,20 +304,22 @@ def _primitives(jaxpr, counts=None):
 def test_decode_loop_has_no_data_dependent_control_flow(hf_checkpoints):
     """No while predicate and no cond: on a GPU each would make the dispatching thread wait for
     the device every iteration, and async scheduling could not overlap the host. The sampler's
-    sort is in the loop only when a row needs it (decided on the host)."""
+    noise and sort are in the loop only when a row needs them (decided on the host)."""
     from jpaged.device_step import decode_loop_impl
     from jpaged.sampling import SamplingRow
     runner = engine(hf_checkpoints["llama_gqa"], 4).runner
     counts = {}
-    for sort in (False, True):
-        params = SamplingParams(temperature=1.0, top_p=0.5 if sort else 1.0)
+    for mode, params in [("greedy", SamplingParams(temperature=0.0)),
+                         ("random", SamplingParams(temperature=1.0, min_p=0.1)),
+                         ("sort", SamplingParams(temperature=1.0, top_k=5))]:
         launched = runner.launch_decode([(-1, 0)] * 4, [SamplingRow(params, 0, 0, 0)] * 4,
                                         [0] * 4, [[]] * 4, 4, 4, 128, 0)
-        assert launched.static["sort"] is sort
+        assert launched.static["sampler"] == mode
         loop = functools.partial(decode_loop_impl, layout=launched.layout,
                                  graphdef=runner.graphdef, backend=runner.attention_backend,
                                  interpret=runner.interpret, **launched.static)
-        counts[sort] = _primitives(jax.make_jaxpr(loop)(
+        counts[mode] = _primitives(jax.make_jaxpr(loop)(
             runner.params, runner.manager, runner.cache, launched.packed).jaxpr)
-        assert counts[sort]["scan"] and not counts[sort]["while"] + counts[sort]["cond"], sort
-    assert counts[True]["sort"] > counts[False]["sort"]
+        assert counts[mode]["scan"] and not counts[mode]["while"] + counts[mode]["cond"], mode
+    assert counts["greedy"]["random_bits"] == 0 < counts["random"]["random_bits"]
+    assert counts["greedy"]["sort"] == counts["random"]["sort"] < counts["sort"]["sort"]

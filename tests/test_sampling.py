@@ -248,3 +248,27 @@ def test_bad_shapes_raise_value_error_naming_the_argument():
         sample(jnp.zeros((2, 8)), tensors)
     with pytest.raises(ValueError, match="num_logprobs"):
         sample(jnp.zeros((1, 8)), tensors, num_logprobs=9)
+
+
+@pytest.mark.parametrize("rows_params,mode", [
+    ([SamplingParams(temperature=0.0)] * 3, "greedy"),
+    ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, min_p=0.05),
+      SamplingParams(temperature=1.3, seed=4)], "random"),
+    ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8),
+      SamplingParams(temperature=1.0, top_k=3)], "sort"),
+])
+def test_host_chosen_sampler_mode_equals_the_device_decision(rows_params, mode):
+    """sampler_mode picks the cheapest path, and that static path samples exactly what the
+    cond-based path does (same keys, same filters), over many positions."""
+    from jpaged.sampling import sampler_mode
+    rows = [SamplingRow(p, 7, 0, position) for position in range(64) for p in rows_params]
+    assert sampler_mode(rows) == mode
+    logits = np.random.default_rng(0).normal(size=(len(rows), 50)).astype(np.float32) * 3
+    tensors = SamplingTensors.from_rows(rows)
+    static = jax.jit(sample, static_argnames=("num_logprobs", "mode"))
+    expected = static(logits, tensors, num_logprobs=2)
+    got = static(logits, tensors, num_logprobs=2, mode=mode)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="mode"):
+        sample(logits, tensors, mode="fast")
