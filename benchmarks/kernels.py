@@ -2,11 +2,16 @@
 
 Usage (on the GPU machine, from the repository root):
     PYTHONPATH=. python3 benchmarks/kernels.py --out /tmp/kernels.md [--budget-seconds 300]
+        [--parts issue,decode,sweep,cudnn,torch,prefill,write] [--chain 16]
 
-Method. Every timed function is jitted with CHAIN kernel calls inside, each call's output feeding
-the next call's queries (so none can be hoisted or skipped), each call on its own block table: the
-tables of one rotation use disjoint pages of one large pool, so a call finds little of its K/V in L2.
+Method. Every timed function is jitted with CHAIN kernel calls inside (--chain; 16 hides the
+Python dispatch of small cases, 4 does not), each call's output feeding the next call's queries
+(so none can be hoisted or skipped), each call on its own block table: the tables of one rotation
+use disjoint pages of one large pool, so a call finds little of its K/V in L2.
 Time per call = median over repeats of (wall time of n dispatches, then one block) / (n * CHAIN).
+Peers: JAX's bundled Pallas paged attention, the jnp reference (XLA gather + einsum), cuDNN on a
+contiguous cache, and torch SDPA on a contiguous cache and after a gather of our pages
+(`torch_peers.py`, CUDA-graphed). Cache writes: XLA's scatter against the Pallas kernel.
 Decode bytes = K and V bytes of the cached tokens actually read + q and out. Ceilings measured in
 the same run: a 2 GiB bf16 elementwise pass (bytes read + written) and an 8192^3 bf16 matmul.
 """
