@@ -19,7 +19,6 @@ the same run: a 2 GiB bf16 elementwise pass (bytes read + written) and an 8192^3
 import argparse
 import datetime
 import functools
-import math
 import platform
 import statistics
 import time

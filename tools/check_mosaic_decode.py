@@ -7,21 +7,19 @@ Usage (on the GPU machine, from the repository root):
 Each stage (versions, correctness, timing) runs in a child process under a timeout, so a kernel that
 faults or hangs costs its stage, not the whole run; every case inside a stage is wrapped too, so one
 failure prints its error and the rest go on. Full tracebacks go to DIR/<stage>.log.
-Timing mirrors benchmarks/kernels.py: a jitted chain of CHAIN dependent calls, each on its own
+Timing reuses benchmarks/kernels.py: a jitted chain of CHAIN dependent calls, each on its own
 block table over disjoint pages of a pool much larger than L2; time per call = median / CHAIN.
 """
 
 import argparse
 import functools
 import os
-import statistics
 import subprocess
 import sys
 import time
 import traceback
 
-CHAIN = 4
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+NUM_KV_HEADS, HEAD_DIM = 8, 128  # the shapes of benchmarks/kernels.py (32 query heads)
 TIMING_CASES = [(8, 1024), (64, 1024), (64, 4096), (256, 2048), (8, 32768)]
 # Mosaic tilings timed next to its default: (tokens_per_step, num_stages, splits multiplier).
 MOSAIC_VARIANTS = [(64, 2, 2), (64, 2, 4), (64, 3, 1), (64, 4, 1)]
@@ -117,68 +115,18 @@ def stage_correctness(log):
                     log.error(f"{name} {jnp.dtype(dtype).name}", error)
 
 
-def median_seconds(fn, arg_sets, min_seconds=0.02, repeats=5):
-    """Median seconds per dispatch of fn over rotating arg sets (compiled and warmed first)."""
-    import jax
-    for args in arg_sets:
-        jax.block_until_ready(fn(*args))
-
-    def run(n):
-        start = time.perf_counter()
-        for i in range(n):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        return time.perf_counter() - start
-
-    n = 1
-    while run(n) < min_seconds and n < 4096:
-        n *= 2
-    return statistics.median(run(n) / n for _ in range(repeats))
-
-
-def chained(kernel):
-    """jit(q, k_pages, v_pages, context_lens, *tables) applying kernel CHAIN times, q -> out."""
-    import jax
-
-    def run(q, k_pages, v_pages, context_lens, *tables):
-        for table in tables:
-            q = kernel(q, k_pages, v_pages, table, context_lens).astype(q.dtype)
-        return q
-    return jax.jit(run)
-
-
-def decode_setup(batch, context, block_size=16):
-    """Disjoint page sets of one pool (>> the 50 MB L2): per-dispatch args, bytes per call."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    dtype = jnp.bfloat16
-    blocks_per_seq = context // block_size
-    set_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
-    num_sets = 1 if set_bytes >= 2 ** 28 else CHAIN if set_bytes >= 2 ** 25 else 4 * CHAIN
-    num_blocks = 1 + num_sets * batch * blocks_per_seq
-    k_key, v_key, q_key = jax.random.split(jax.random.key(batch + context), 3)
-    shape = (NUM_KV_HEADS, num_blocks, block_size, HEAD_DIM)
-    k_pages = jax.random.normal(k_key, shape, dtype)
-    v_pages = jax.random.normal(v_key, shape, dtype)
-    q = jax.random.normal(q_key, (batch, NUM_HEADS, HEAD_DIM), dtype)
-    physical = np.random.default_rng(batch + context).permutation(np.arange(1, num_blocks))
-    tables = list(jnp.asarray(physical.reshape(num_sets, batch, blocks_per_seq).astype(np.int32)))
-    context_lens = jnp.full((batch,), context, jnp.int32)
-    arg_sets = [(q, k_pages, v_pages, context_lens,
-                 *(tables[(i + j) % num_sets] for j in range(CHAIN)))
-                for i in range(0, max(num_sets, CHAIN), CHAIN)]
-    return arg_sets, set_bytes + 2 * q.size * q.dtype.itemsize
-
-
 def stage_timing(log):
+    """The timing method of benchmarks/kernels.py (its chain, page sets and median), reused."""
+    import jax
+    from benchmarks.kernels import CHAIN, chained, decode_setup, median_seconds
     from pallas_kernels.gpu import decode as triton_decode
     from pallas_kernels.gpu import decode_mosaic
     log.line("| B | context | kernel | tiling | us/call | GB/s | vs Triton |")
     log.line("|---|---|---|---|---|---|---|")
     for batch, context in TIMING_CASES:
         try:
-            arg_sets, num_bytes = decode_setup(batch, context)
+            arg_sets, num_bytes = decode_setup(jax.random.key(batch + context), batch, context,
+                                               16)
         except Exception as error:
             log.error(f"setup B{batch} ctx{context}", error)
             continue
