@@ -133,7 +133,8 @@ def decode_row(key, batch, context, block_size, ceiling, variants, with_peers):
 
 
 def sweep_variants(batch, context):
-    """--parts sweep: the tilings tried per issue case (split counts only where the default splits)."""
+    """--parts sweep: the tilings tried per issue case (split counts only where the default
+    splits)."""
     if default_tiling(batch, NUM_KV_HEADS, context, HEAD_DIM, DTYPE)["num_splits"] == 1:
         return [dict(tokens_per_step=step, num_stages=stages, num_warps=warps)
                 for step, stages in ((64, 3), (64, 4), (64, 5), (128, 2), (128, 3))
@@ -146,7 +147,8 @@ def sweep_variants(batch, context):
 def format_sweep(rows):
     lines = ["| B | context | tiling | us |", "|---|---|---|---|"]
     for row in rows:
-        for name, tiling in sorted(row["tilings"].items(), key=lambda item: _sort_key(row[item[0]])):
+        by_time = sorted(row["tilings"].items(), key=lambda item: _sort_key(row[item[0]]))
+        for name, tiling in by_time:
             lines.append(f"| {row['B']} | {row['context']} | {_tiling_name(tiling)} "
                          f"| {_us(row[name])} |")
     return "\n".join(lines)
@@ -360,7 +362,8 @@ def main():
     parser.add_argument("--chain", type=int, default=4,
                         help="dependent kernel calls per jitted dispatch (amortizes host dispatch)")
     parser.add_argument("--parts", default="decode,cudnn,torch,prefill,write",
-                        help=f"comma-separated subset of {PARTS}; sweep = many tilings per issue case")
+                        help=f"comma-separated subset of {PARTS}; sweep: many tilings per issue "
+                             "case")
     args = parser.parse_args()
     CHAIN = args.chain
     parts = args.parts.split(",")

@@ -8,7 +8,8 @@ For each model (random bfloat16 weights) and batch size, B requests with 16-toke
       loop and transfer-out;
   tokens/s against the device-only rate (the same steps' device time): the target is K = 8 within
       10% at batch 64 on the 1B-shaped model.
-One engine per model; each K's loop (K is its static trip count) is compiled by a short run first. Usage: python benchmarks/multistep.py --models llama3.2-1b,llama3-8b --out FILE
+One engine per model; each K's loop (K is its static trip count) is compiled by a short run
+first. Usage: python benchmarks/multistep.py --models llama3.2-1b,llama3-8b --out FILE
 """
 
 import argparse

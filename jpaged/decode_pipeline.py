@@ -44,7 +44,8 @@ class DecodePipeline:
              for row in rows],
             [row.request.params.max_tokens - len(row.seq.output_token_ids) for row in rows],
             [engine.stop_ids(row.request.params) for row in rows],
-            num_steps, num_steps, engine.config.max_model_len, max(row.request.params.logprobs or 0 for row in rows))
+            num_steps, num_steps, engine.config.max_model_len,
+            max(row.request.params.logprobs or 0 for row in rows))
         self.in_flight = InFlight(rows, launched, [True] * len(rows), True, [True] * len(rows))
 
     def advance(self, chain: bool):

@@ -228,9 +228,9 @@ class LLMEngine:
 
         A step of pure decodes runs as one device loop of `num_scheduler_steps` iterations when no
         request is waiting, and as a single ordinary step otherwise (so a waiting request joins
-        at the next step: TTFT does not grow with K). With `async_scheduling`, while nothing waits, the next
-        loop is dispatched before this one's tokens are processed on the host, so the host work
-        overlaps the device; outputs then trail the device by one step.
+        at the next step: TTFT does not grow with K). With `async_scheduling`, while nothing
+        waits, the next loop is dispatched before this one's tokens are processed on the host,
+        so the host work overlaps the device; outputs then trail the device by one step.
         """
         start = time.perf_counter()
         if self.pipeline.in_flight is not None:

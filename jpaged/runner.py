@@ -270,8 +270,9 @@ class ModelRunner:
     def warmup(self, *, max_steps: int, max_model_len: int, progress: bool = True):
         """Compile every bucket shape now, with all-padding inputs that change no state.
 
-        For each batch bucket: decode loops (one per sampler mode) and a single decode step; mixed steps for each token bucket (all with and without top logprobs);
-        every block-operation size, and the swap transfers.
+        For each batch bucket: decode loops (one per sampler mode) and a single decode step;
+        mixed steps for each token bucket (all with and without top logprobs); every
+        block-operation size, and the swap transfers.
         """
         from jpaged.sampling import SamplingParams, SamplingRow
         from tqdm.auto import tqdm
