@@ -293,8 +293,7 @@ class ModelRunner:
         if self.swap_store is not None:
             jobs.append(("swap", 0, 0))
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
-        mode_rows = {"greedy": pad_row,  # a row that needs exactly this sampler mode
-                     "random": SamplingRow(SamplingParams(temperature=1.0), 0, 0, 0),
+        mode_rows = {"random": pad_row,  # a row that needs exactly this sampler mode
                      "sort": SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, 0, 0)}
         for kind, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
             if kind.removeprefix("decode_") in mode_rows:

@@ -203,16 +203,16 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [B, L] float32 their logprobs, descending
 
 
-SAMPLER_MODES = ("greedy", "random", "sort")
+SAMPLER_MODES = ("random", "sort")
 
 
 def sampler_mode(rows: Sequence[SamplingRow]) -> str:
-    """The cheapest static sampler path that serves every row, decided on the host: "greedy"
-    (no row samples), "random" (noise, no top_k/top_p filter), or "sort" (some row filters)."""
-    sampled = [row.params for row in rows if row.params.temperature >= GREEDY_TEMPERATURE]
-    if not sampled:
-        return "greedy"
-    return "sort" if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else "random"
+    """The static sampler path for these rows, decided on the host: "sort" when some sampled row
+    filters with top_k/top_p, else "random" (noise drawn, no sort; greedy rows ignore the noise,
+    which costs far less than a second compiled variant per batch bucket would at warm-up)."""
+    return "sort" if any(row.params.temperature >= GREEDY_TEMPERATURE
+                         and (row.params.top_k > 0 or row.params.top_p < 1.0)
+                         for row in rows) else "random"
 
 
 def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0,
@@ -246,8 +246,6 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
             jnp.all(is_greedy),
             lambda: greedy_ids,
             lambda: jnp.where(is_greedy, greedy_ids, _sample_random(logits, tensors, is_greedy)))
-    elif mode == "greedy":
-        token_ids = greedy_ids
     elif mode in SAMPLER_MODES:
         token_ids = jnp.where(is_greedy, greedy_ids,
                               _sample_random(logits, tensors, is_greedy, sort=mode == "sort"))
