@@ -3,9 +3,9 @@
 The runner owns the device state (block-manager pytree, KV cache, model parameters) and calls the
 jitted programs of `device_step.py`. One step takes one host-to-device transfer (its `StepInputs`
 packed into one buffer) and returns one device-to-host transfer of the sampled tokens; a decode
-loop likewise, and a chained loop one small transfer of keep flags. The
-programs DONATE the block-manager state and the KV cache, so XLA updates both in place; the
-runner's references to the old buffers are replaced by the returned ones on every call.
+loop likewise, and a chained loop one small transfer of keep flags. The programs DONATE the
+block-manager state and the KV cache, so XLA updates both in place; the runner's references to
+the old buffers are replaced by the returned ones on every call.
 
 Shapes are padded to buckets (powers of two between a floor and a cap) so the number of
 compilations is bounded: tokens T, sequences B and sampled rows R; decode-only steps use T = B.
@@ -171,8 +171,9 @@ class ModelRunner:
         packed, layout = pack(inputs)
         self.manager, self.cache, out, ok = self._timed(
             key, step_program, self.params, self.manager, self.cache, jax.device_put(packed),
-            layout=layout, graphdef=self.graphdef, is_decode=is_decode, num_logprobs=logprob_bucket,
-            backend=self.attention_backend, interpret=self.interpret)
+            layout=layout, graphdef=self.graphdef, is_decode=is_decode,
+            num_logprobs=logprob_bucket, backend=self.attention_backend,
+            interpret=self.interpret)
         out, ok = jax.device_get((out, ok))
         self.last_device_seconds = time.perf_counter() - start
         if not ok:
@@ -280,7 +281,7 @@ class ModelRunner:
         jobs = []
         for logprobs in (0, 1):
             for batch in self.bucket_sizes(4, self.max_num_seqs):
-                jobs += [("decode_" + mode, batch, logprobs) for mode in SAMPLER_MODES]
+                jobs += [("loop:" + mode, batch, logprobs) for mode in SAMPLER_MODES]
                 jobs.append(("decode_step", batch, logprobs))
             for tokens in self.bucket_sizes(min(128, self.max_num_batched_tokens),
                                             self.max_num_batched_tokens):
@@ -295,11 +296,12 @@ class ModelRunner:
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
         mode_rows = {"random": pad_row,  # a row that needs exactly this sampler mode
                      "sort": SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, 0, 0)}
-        for kind, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
-            if kind.removeprefix("decode_") in mode_rows:
-                row = mode_rows[kind.removeprefix("decode_")]
-                launched = self.launch_decode([(-1, 0)] * size, [row] * size, [0] * size,
-                                              [[]] * size, 1, max_steps, max_model_len, logprobs)
+        for job, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
+            kind, _, mode = job.partition(":")
+            if kind == "loop":
+                launched = self.launch_decode(
+                    [(-1, 0)] * size, [mode_rows[mode]] * size, [0] * size, [[]] * size, 1,
+                    max_steps, max_model_len, logprobs)
                 self.fetch_decode(self.continue_decode(launched, [False] * size, 1), size)
             elif kind == "step":
                 # One padded row per token bucket: seq -1 appends nothing, writes are dropped.
