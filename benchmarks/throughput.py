@@ -5,10 +5,15 @@ bfloat16) generates the 256-request ShareGPT-like trace (benchmarks/trace.py), E
 every request produces its drawn length. Reported:
   - output tokens/s and requests/s over the whole run, and excluding first-call compile time;
   - decode step time against its floor: (weight bytes + KV bytes read that step) over the copy
-    bandwidth measured in this run (a large bf16 array read and written once);
+    bandwidth measured in this run (a large bf16 array read and written once); with
+    --tensor-parallel-size N, one device's share (weights / N, its kv heads), so the gap to the
+    floor includes the all-reduces;
   - host time per step (scheduling and output processing, outside the device step);
   - compilations, preemptions, largest number of concurrent sequences.
-Usage: python benchmarks/throughput.py --model llama3-8b [--num-requests 256] [--out FILE]
+Usage: python benchmarks/throughput.py --model llama3-8b [--num-requests 256]
+       [--tensor-parallel-size N] [--out FILE]
+Random weights are drawn on the device, already split over the tensor-parallel devices (a 70B
+model never exists whole on one GPU or on the host).
 """
 
 import argparse
@@ -21,14 +26,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.trace import SHAREGPT, make_trace  # noqa: E402
-from jpaged import LLMEngine, SamplingParams  # noqa: E402
+from jpaged import LLMEngine, SamplingParams, parallel  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
-from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
+from jpaged.models import random_model  # noqa: E402
 
 
 def copy_bandwidth(num_bytes=4 << 30, repeats=10) -> float:
@@ -46,12 +50,14 @@ def copy_bandwidth(num_bytes=4 << 30, repeats=10) -> float:
 
 def build_engine(args):
     config = ModelConfig.preset(args.model)
-    model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    mesh = parallel.make_mesh(args.tensor_parallel_size)
+    model = random_model(config, dtype=jnp.dtype(args.dtype), mesh=mesh, seed=0)
     engine = LLMEngine.from_model(
         model, None, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         attention_backend=args.attention_backend, gpu_memory_utilization=0.9,
-        num_scheduler_steps=args.num_scheduler_steps, warmup=args.warmup)
+        num_scheduler_steps=args.num_scheduler_steps, warmup=args.warmup,
+        tensor_parallel_size=args.tensor_parallel_size)
     return engine, config
 
 
@@ -81,22 +87,30 @@ def report(args, engine, config, trace, wall, max_running, bandwidth, compile_be
     log = engine.step_log
     output_tokens = sum(r.output_len for r in trace)
     weight_bytes = config.num_parameters() * jnp.dtype(args.dtype).itemsize
+    tp = args.tensor_parallel_size
     kv_per_token = config.kv_bytes_per_token(engine.config.kv_dtype)
+    kv_per_device = (kv_per_token * parallel.num_cache_kv_heads(config.num_key_value_heads,
+                                                                engine.runner.mesh)
+                     // config.num_key_value_heads // tp)
     decode = [r for r in log if r.is_decode and not r.compiled]
-    floors = [(weight_bytes + r.context_tokens * kv_per_token) / bandwidth for r in decode]
+    floors = [(weight_bytes / tp + r.context_tokens * kv_per_device) / bandwidth
+              for r in decode]
     decode_time = sum(r.device_seconds for r in decode)
     compile_s = stats["compile_seconds"] - compile_before
     device = jax.devices()[0]
     lines = [
         f"device: {device.device_kind}, date {datetime.date.today()}, jax {jax.__version__}, "
         f"python {platform.python_version()}",
-        f"command: python benchmarks/throughput.py --model {args.model} --num-requests "
+        f"command: python benchmarks/throughput.py --model {args.model} --dtype {args.dtype} "
+        f"--max-model-len {args.max_model_len} --num-requests "
         f"{args.num_requests} --max-num-seqs {args.max_num_seqs} --max-num-batched-tokens "
         f"{args.max_num_batched_tokens} --attention-backend {args.attention_backend} "
-        f"--num-scheduler-steps {args.num_scheduler_steps}{' --warmup' * args.warmup}",
+        f"--num-scheduler-steps {args.num_scheduler_steps} --tensor-parallel-size {tp}"
+        f"{' --warmup' * args.warmup}",
         f"model {args.model} ({config.num_parameters() / 1e9:.2f} B params, random "
-        f"{args.dtype} weights, {weight_bytes / 1e9:.2f} GB), KV pool {stats['num_kv_blocks']} "
-        f"blocks of {engine.config.block_size}, attention {stats['attention_backend']}",
+        f"{args.dtype} weights, {weight_bytes / 1e9:.2f} GB), tensor parallel over {tp} x "
+        f"{device.device_kind}, KV pool {stats['num_kv_blocks']} blocks of "
+        f"{engine.config.block_size}, attention {stats['attention_backend']}",
         f"trace: {len(trace)} requests, mean input "
         f"{np.mean([r.input_len for r in trace]):.0f}, mean output "
         f"{np.mean([r.output_len for r in trace]):.0f} tokens, {output_tokens} output tokens",
@@ -144,6 +158,8 @@ def main(argv=None):
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--num-scheduler-steps", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="devices the model and KV cache are split over")
     parser.add_argument("--warmup", action="store_true",
                         help="compile every shape before the timed run")
     parser.add_argument("--out", default=None)

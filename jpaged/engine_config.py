@@ -6,7 +6,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jpaged import kv_cache
+from jpaged import kv_cache, parallel
 from jpaged.config import normalize_dtype
 from jpaged.models.loader import load_model, load_tokenizer
 from jpaged.scheduler import PREEMPTION_MODES
@@ -36,10 +36,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"      # "auto" | "swap" | "recompute"
     swap_space: float = 4.0            # GiB of host memory for swapped-out KV blocks
+    tensor_parallel_size: int = 1      # devices the model and KV cache are split over
 
     def __post_init__(self):
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len",
-                     "max_num_batched_tokens", "num_scheduler_steps"):
+                     "max_num_batched_tokens", "num_scheduler_steps", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -60,6 +61,9 @@ class EngineConfig:
                              f"got {self.swap_space!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+        if self.tensor_parallel_size > 1 and self.preemption_mode != "recompute":
+            raise ValueError("swapping moves blocks of a single-device cache: with "
+                             "tensor_parallel_size > 1 preemption_mode must be 'recompute'")
         if self.attention_backend not in ATTENTION_BACKENDS[1:]:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -81,15 +85,20 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent / "assets" / "default_model"
 
 
-def resolve_engine_config(model=None, *, dtype="auto", load_format="auto", **options):
+def resolve_engine_config(model=None, *, dtype="auto", load_format="auto",
+                          tensor_parallel_size=1, devices=None, **options):
     """Load the model (None: the built-in one) and tokenizer and size the engine.
 
-    load_format is `load_model`'s ("auto": the weights in the directory). Returns (model,
-    tokenizer, EngineConfig); options are `build_engine_config`'s.
+    load_format is `load_model`'s ("auto": the weights in the directory). tensor_parallel_size:
+    devices the model is split over, the first ones of jax.devices() unless `devices` names them
+    (a data-parallel replica's group). Returns (model, tokenizer, EngineConfig); options are
+    `build_engine_config`'s.
     """
     model_dir = default_model_dir() if model is None else Path(model)
-    llm_model, _ = load_model(model_dir, dtype=dtype, load_format=load_format)
-    return llm_model, load_tokenizer(model_dir), build_engine_config(llm_model, **options)
+    mesh = parallel.make_mesh(tensor_parallel_size, devices)
+    llm_model, _ = load_model(model_dir, dtype=dtype, load_format=load_format, mesh=mesh)
+    return llm_model, load_tokenizer(model_dir), build_engine_config(
+        llm_model, tensor_parallel_size=tensor_parallel_size, **options)
 
 
 def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9,
@@ -98,11 +107,22 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
                         num_scheduler_steps=1, async_scheduling=False, warmup=None,
                         strict_compilation=False, compilation_cache_dir=None,
                         enable_prefix_caching=True, preemption_mode="auto",
-                        swap_space=4.0) -> EngineConfig:
+                        swap_space=4.0, tensor_parallel_size=1) -> EngineConfig:
     """Engine settings for a model already in memory (its weights count against the budget).
 
     warmup None means: compile all shapes at start-up on an accelerator, lazily on the CPU.
+    tensor_parallel_size must be the size of the mesh the model was built on (`model.mesh`);
+    preemption "auto" then means recompute.
     """
+    if parallel.mesh_size(model.mesh) != tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but the model is split "
+                         f"over {parallel.mesh_size(model.mesh)} device(s): build it with "
+                         "load_model(..., mesh=jpaged.parallel.make_mesh(n))")
+    if model.mesh is not None:  # swapping knows one device's cache only
+        if preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' needs a single-device engine (no "
+                             "tensor_parallel_size or device group)")
+        preemption_mode = "recompute"
     if warmup is None:
         warmup = jax.default_backend() != "cpu"
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -124,7 +144,7 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
         num_kv_blocks = size_kv_pool(model_config, block_size=block_size, kv_dtype=kv_dtype,
                                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                      max_num_batched_tokens=max_num_batched_tokens,
-                                     utilization=gpu_memory_utilization)
+                                     utilization=gpu_memory_utilization, mesh=model.mesh)
     return EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=max_num_batched_tokens, seed=seed,
@@ -134,7 +154,8 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
                         strict_compilation=strict_compilation,
                         compilation_cache_dir=compilation_cache_dir,
                         enable_prefix_caching=enable_prefix_caching,
-                        preemption_mode=preemption_mode, swap_space=swap_space)
+                        preemption_mode=preemption_mode, swap_space=swap_space,
+                        tensor_parallel_size=tensor_parallel_size)
 
 
 def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:
@@ -150,19 +171,22 @@ def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs)
 
 
 def size_kv_pool(model_config, *, block_size, kv_dtype, max_num_seqs, max_model_len,
-                 max_num_batched_tokens, utilization) -> int:
+                 max_num_batched_tokens, utilization, mesh=None) -> int:
     """Blocks (sink included) that fit next to the weights already on the device.
 
     On an accelerator: utilization x the device's memory limit, minus what is in use now (the
     weights), minus the step's activation estimate. On the CPU: at most CPU_KV_BUDGET_BYTES, and
     no more than every sequence at full length needs. Too little memory is a ValueError at start,
-    never an out-of-memory error later.
+    never an out-of-memory error later. Under tensor parallelism (mesh) the budget is one
+    device's, and so are a block's bytes: its share of the (possibly repeated) kv heads.
     """
-    per_block = kv_cache.bytes_per_block(model_config.num_hidden_layers,
-                                         model_config.num_key_value_heads, model_config.head_dim,
-                                         block_size, jnp.dtype(kv_dtype))
+    per_block = kv_cache.bytes_per_block(
+        model_config.num_hidden_layers,
+        parallel.num_cache_kv_heads(model_config.num_key_value_heads, mesh),
+        model_config.head_dim, block_size, jnp.dtype(kv_dtype)) // parallel.mesh_size(mesh)
     full_need = max_num_seqs * -(-max_model_len // block_size) + 1
-    stats = jax.devices()[0].memory_stats() or {}
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         return max(2, min(full_need, CPU_KV_BUDGET_BYTES // per_block))
     budget = (utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from jpaged import parallel
 
 SINK_BLOCK = 0
 PAD_SLOT = -1
@@ -56,14 +57,21 @@ def init_cache(num_layers, num_kv_heads, num_blocks, block_size, head_dim, dtype
 
 
 def write_layer(cache: KVCache, layer: int, k_new, v_new, slot_mapping, *, backend="reference",
-                interpret=False) -> KVCache:
+                interpret=False, mesh=None) -> KVCache:
     """Write one layer's new keys/values k_new, v_new [T, K, D] at slot_mapping [T].
 
-    backend/interpret pick the writer as for attention (`pallas_kernels.write_to_pages`).
+    backend/interpret pick the writer as for attention (`pallas_kernels.write_to_pages`); with a
+    tensor-parallel mesh each device writes its own kv heads.
     """
-    k_layer, v_layer = pallas_kernels.write_to_pages(
-        cache.k_pages[layer], cache.v_pages[layer], k_new, v_new, slot_mapping, backend=backend,
-        interpret=interpret)
+    write = functools.partial(pallas_kernels.write_to_pages, backend=backend,
+                              interpret=interpret)
+    if mesh is not None:
+        write = parallel.per_shard(
+            write, mesh, out_specs=(parallel.PAGES, parallel.PAGES),
+            in_specs=(parallel.PAGES, parallel.PAGES, parallel.HEADS, parallel.HEADS,
+                      parallel.REPLICATED))
+    k_layer, v_layer = write(cache.k_pages[layer], cache.v_pages[layer], k_new, v_new,
+                             slot_mapping)
     k_pages = cache.k_pages[:layer] + (k_layer,) + cache.k_pages[layer + 1:]
     v_pages = cache.v_pages[:layer] + (v_layer,) + cache.v_pages[layer + 1:]
     return KVCache(k_pages, v_pages)

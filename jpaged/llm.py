@@ -19,9 +19,11 @@ class LLM:
         max_num_batched_tokens=None, seed=0, attention_backend="auto", kv_cache_dtype="auto",
         num_scheduler_steps=1, async_scheduling=False, warmup=None, strict_compilation=False,
         compilation_cache_dir=None, enable_prefix_caching=True, preemption_mode="auto",
-        swap_space=4.0, load_format="auto")
+        swap_space=4.0, load_format="auto", tensor_parallel_size=1, devices=None)
     `model` is a Hugging Face directory; None loads the built-in model. `num_kv_blocks` fixes the
-    pool size exactly and overrides memory-based sizing. See the README for each option.
+    pool size exactly and overrides memory-based sizing. `tensor_parallel_size` splits the model
+    and KV cache over that many devices (the first of jax.devices(), or `devices`; see
+    `jpaged.parallel`). See the README for each option.
     """
 
     def __init__(self, model=None, **options):

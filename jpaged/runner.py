@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jpaged import kv_cache, memory
+from jpaged import kv_cache, memory, parallel
 from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
                                 decode_loop, fork_program, free_program, next_inputs, pack,
                                 pop_program, release_program, retain_program, step_program)
@@ -83,10 +83,19 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.attention_backend = attention_backend
         self.interpret = interpret
+        # Tensor parallelism (model.mesh, `jpaged.parallel`): the block manager and the inputs
+        # are replicated on the mesh, the cache split along kv heads. None: one device.
+        self.mesh = model.mesh
+        self.input_sharding = parallel.replicated(self.mesh)
         self.manager = memory.init_state(num_blocks, block_size, max_num_seqs,
                                          self.max_blocks_per_seq)
-        self.cache = kv_cache.init_cache(config.num_hidden_layers, config.num_key_value_heads,
-                                         num_blocks, block_size, config.head_dim, kv_dtype)
+        if self.mesh is not None:
+            self.manager = jax.device_put(self.manager, self.input_sharding)
+        self.cache = kv_cache.init_cache(
+            config.num_hidden_layers, parallel.num_cache_kv_heads(config.num_key_value_heads,
+                                                                  self.mesh),
+            num_blocks, block_size, config.head_dim, kv_dtype,
+            sharding=parallel.cache_sharding(self.mesh))
         self.swap_store = None            # a SwapStore once swapping is enabled
         self.compiled_shapes: set = set()
         self.compile_seconds = 0.0
@@ -170,7 +179,7 @@ class ModelRunner:
         start = time.perf_counter()
         packed, layout = pack(inputs)
         self.manager, self.cache, out, ok = self._timed(
-            key, step_program, self.params, self.manager, self.cache, jax.device_put(packed),
+            key, step_program, self.params, self.manager, self.cache, self._put(packed),
             layout=layout, graphdef=self.graphdef, is_decode=is_decode,
             num_logprobs=logprob_bucket, backend=self.attention_backend,
             interpret=self.interpret)
@@ -214,7 +223,7 @@ class ModelRunner:
                       num_logprobs=MAX_LOGPROBS if num_logprobs else 0,
                       sampler=sampler_mode(sampling_rows))
         packed, layout = pack(inputs)
-        return self._launch(jax.device_put(packed), layout, (batch, width), static, len(rows))
+        return self._launch(self._put(packed), layout, (batch, width), static, len(rows))
 
     def continue_decode(self, previous: "LaunchedLoop", keep, num_steps: int) -> "LaunchedLoop":
         """Dispatch the next loop straight from the previous one's device results (its last
@@ -224,9 +233,13 @@ class ModelRunner:
         control[:len(keep)] = keep
         control[-1] = num_steps
         packed = self._timed(("next", *previous.batch), next_inputs, previous.packed,
-                             previous.result, jax.device_put(control), layout=previous.layout)
+                             previous.result, self._put(control), layout=previous.layout)
         return self._launch(packed, previous.layout, previous.batch, previous.static,
                             previous.num_rows)
+
+    def _put(self, host_array) -> jax.Array:
+        """One host-to-device transfer (replicated over the mesh under tensor parallelism)."""
+        return jax.device_put(host_array, self.input_sharding)
 
     def _launch(self, packed, layout, batch, static, num_rows) -> "LaunchedLoop":
         """batch: (rows, stop-id width) buckets of the loop's inputs."""

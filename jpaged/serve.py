@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpaged import openai_api as api
 from jpaged.async_engine import AsyncEngine, EngineError, RequestGroup
+from jpaged.data_parallel import DataParallelEngine
 from jpaged.engine import LLMEngine
 from jpaged.engine_config import ATTENTION_BACKENDS, PREEMPTION_MODES, default_model_dir
 from jpaged.models.loader import LOAD_FORMATS
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode steps run on the device per scheduler step (multi-step decoding)")
     add("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
         help="start the next decode loop while the host processes the last one's tokens")
+    add("--tensor-parallel-size", type=int, default=1,
+        help="devices each engine splits the model and KV cache over (Megatron-style heads and "
+             "MLP columns; see docs/parallelism.md)")
+    add("--data-parallel-size", type=int, default=1,
+        help="independent engine replicas on disjoint groups of --tensor-parallel-size devices; "
+             "each request goes to the replica with the most free KV blocks")
     add("--compilation-cache-dir", default=None,
         help="persist compiled steps here so a restart skips compiling (process-wide JAX cache)")
     add("--uvicorn-log-level", default="info",
@@ -90,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"{args.swap_space}")
     if args.preemption_mode == "swap" and args.swap_space == 0:
         parser.error("argument --preemption-mode: 'swap' needs --swap-space > 0")
+    for flag in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1")
     return args
 
 
@@ -105,7 +115,17 @@ def engine_options(args: argparse.Namespace) -> dict:
                 async_scheduling=args.async_scheduling,
                 compilation_cache_dir=args.compilation_cache_dir,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching,
+                tensor_parallel_size=args.tensor_parallel_size)
+
+
+def build_engine(args: argparse.Namespace, name: str) -> AsyncEngine | DataParallelEngine:
+    """One engine, or --data-parallel-size replicas behind one interface."""
+    if args.data_parallel_size == 1:
+        return AsyncEngine(LLMEngine.from_pretrained(args.model, **engine_options(args)), name)
+    return DataParallelEngine.from_pretrained(args.model, name,
+                                              data_parallel_size=args.data_parallel_size,
+                                              **engine_options(args))
 
 
 def model_info(engine: LLMEngine, model_dir, name: str) -> api.ModelInfo:
@@ -130,7 +150,7 @@ class _AbortingStreamingResponse(StreamingResponse):
             self._on_close()
 
 
-def build_app(async_engine: AsyncEngine, model: api.ModelInfo) -> FastAPI:
+def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelInfo) -> FastAPI:
     """The ASGI app; its lifespan starts and stops the engine thread."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -261,8 +281,8 @@ def main(argv=None) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     print(banner(args.host, args.port, name), flush=True)
     model_dir = default_model_dir() if args.model is None else Path(args.model)
-    engine = LLMEngine.from_pretrained(args.model, **engine_options(args))
-    app = build_app(AsyncEngine(engine, name), model_info(engine, model_dir, name))
+    async_engine = build_engine(args, name)
+    app = build_app(async_engine, model_info(async_engine.engine, model_dir, name))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"config", "memory", "block_mirror", "kv_cache", "sampling", "detokenizer", "request",
-        "scheduler", "prefix_cache", "block_ledger", "compat"}
+        "scheduler", "prefix_cache", "block_ledger", "compat", "parallel"}
 ENGINE = {"runner", "device_step", "decode_pipeline", "engine", "engine_config", "llm", "serve",
-          "main", "swap", "async_engine", "openai_api"}
+          "main", "swap", "async_engine", "openai_api", "data_parallel"}
 PALLAS_IMPORTERS = {"jpaged/kv_cache.py", "jpaged/models/attention.py"}
 
 

@@ -2,7 +2,7 @@
 
 from jpaged.models.attention import AttentionMetadata, paged_attention
 from jpaged.models.llama import LlamaForCausalLM
-from jpaged.models.loader import load_model, load_tokenizer
+from jpaged.models.loader import load_model, load_tokenizer, random_model
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM", "load_model", "load_tokenizer",
-           "paged_attention"]
+           "paged_attention", "random_model"]

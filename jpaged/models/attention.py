@@ -6,10 +6,12 @@ interpret mode when `interpret` is set, e.g. on a CPU).
 """
 
 import dataclasses
+import functools
 
 import jax
 
 import pallas_kernels
+from jpaged import parallel
 
 BACKENDS = pallas_kernels.BACKENDS
 
@@ -46,13 +48,21 @@ class AttentionMetadata:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
-def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float):
+def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float, mesh=None):
     """q [T, H, D] attends causally to its sequences' cached keys/values -> [T, H, D] in q.dtype.
 
     k_pages, v_pages: one layer's pages [K, N, S, D], already holding this step's K/V.
     Padded query rows come back as zeros. Softmax runs in float32.
+    mesh: tensor parallelism (`jpaged.parallel`): the kernel runs on each device with its local
+    query heads and kv heads (q split along H, pages along K, metadata replicated).
     """
-    return _attend(q, k_pages, v_pages, metadata, scale)
+    if mesh is None:
+        return _attend(q, k_pages, v_pages, metadata, scale)
+    local = parallel.per_shard(
+        functools.partial(_attend, scale=scale), mesh,
+        in_specs=(parallel.HEADS, parallel.PAGES, parallel.PAGES, parallel.REPLICATED),
+        out_specs=parallel.HEADS)
+    return local(q, k_pages, v_pages, metadata)
 
 
 def _attend(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float):

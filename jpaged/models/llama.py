@@ -19,8 +19,10 @@ from jpaged.models.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_ro
 class LlamaAttention(nnx.Module):
     """Project, rotate, write this step's K/V into layer `layer_index`'s pages, attend, project."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs,
+                 mesh=None):
         self.layer_index = layer_index
+        self.mesh = mesh
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -39,20 +41,25 @@ class LlamaAttention(nnx.Module):
         k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)   # [T, K, D]
         v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)   # [T, K, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        copies = cache.k_pages[self.layer_index].shape[0] // self.num_kv_heads
+        if copies > 1:  # more tensor-parallel devices than kv heads: each holds its head's copy
+            k, v = jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1)
         cache = kv.write_layer(cache, self.layer_index, k, v, metadata.slot_mapping,
-                               backend=metadata.backend, interpret=metadata.interpret)
+                               backend=metadata.backend, interpret=metadata.interpret,
+                               mesh=self.mesh)
         out = paged_attention(q, cache.k_pages[self.layer_index], cache.v_pages[self.layer_index],
-                              metadata, scale=self.head_dim ** -0.5)
+                              metadata, scale=self.head_dim ** -0.5, mesh=self.mesh)
         return self.o_proj(out.reshape(num_tokens, -1)), cache
 
 
 class LlamaDecoderLayer(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs,
+                 mesh=None):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = LlamaAttention(config, layer_index, dtype=dtype, rngs=rngs)
+        self.self_attn = LlamaAttention(config, layer_index, dtype=dtype, rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
                             use_bias=config.mlp_bias, dtype=dtype, rngs=rngs)
@@ -66,11 +73,11 @@ class LlamaDecoderLayer(nnx.Module):
 class LlamaModel(nnx.Module):
     """Embedding, decoder layers, final norm (Hugging Face's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
         self.inv_frequencies = tuple(config.rope.inv_frequencies(config.head_dim).tolist())
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                       rngs=rngs)
-        self.layers = nnx.List([LlamaDecoderLayer(config, i, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([LlamaDecoderLayer(config, i, dtype=dtype, rngs=rngs, mesh=mesh)
                                 for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
@@ -85,11 +92,16 @@ class LlamaModel(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """A Llama-family causal LM whose attention reads and writes the paged KV cache."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        """Random init (normal, std 0.02; norms one); `dtype` is the parameter dtype."""
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
+        """Random init (normal, std 0.02; norms one); `dtype` is the parameter dtype.
+
+        mesh: the tensor-parallel mesh the parameters are (to be) sharded over (see
+        `jpaged.parallel`); attention then runs its kernels per device. None: one device.
+        """
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.model = LlamaModel(config, dtype=self.dtype, rngs=rngs)
+        self.mesh = mesh
+        self.model = LlamaModel(config, dtype=self.dtype, rngs=rngs, mesh=mesh)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=self.dtype, rngs=rngs)
 

@@ -13,6 +13,7 @@ models saved that way.)
 """
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from jpaged import parallel
 from jpaged.config import ModelConfig, normalize_dtype, read_eos_token_ids
 from jpaged.models.llama import LlamaForCausalLM
 
@@ -31,21 +33,24 @@ INDEX_FILE = "model.safetensors.index.json"
 ORBAX_DIR = "checkpoint"
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0  # fixed, so two dummy loads of one config give the same model
+DUMMY_STDDEV = 0.02
 # Checkpoint tensors that are safe to skip: rotary tables, which are recomputed from the config.
 # (A tied model's saved `lm_head.weight`, a copy of the embedding, is skipped too.)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(model_dir, *, dtype="auto",
-               load_format="auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir, *, dtype="auto", load_format="auto",
+               mesh=None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """(model, config) from a Hugging Face directory; dtype "auto" = the config's torch_dtype.
 
     load_format "auto" reads the directory's weights (safetensors or orbax); "dummy" reads only
-    config.json and draws random weights (seed DUMMY_SEED) on the device: one jitted draw and
-    cast per tensor (the model's own init), so nothing passes through the host and at most one
-    tensor exists in float32 at a time.
+    config.json and draws random weights (seed DUMMY_SEED, `random_model`) on the device: one
+    jitted draw and cast per tensor, so nothing passes through the host and at most one tensor
+    exists in float32 at a time.
 
     config.eos_token_ids merges config.json's and generation_config.json's `eos_token_id`.
+    mesh: a tensor-parallel mesh (`jpaged.parallel.make_mesh`): every tensor goes straight to
+    its shards (`parallel.param_spec`), never whole onto one device.
     Raises FileNotFoundError naming a missing file, ValueError naming a bad field or tensor.
     """
     model_dir = Path(model_dir)
@@ -56,18 +61,67 @@ def load_model(model_dir, *, dtype="auto",
     config = ModelConfig.from_json(model_dir / "config.json")
     config = dataclasses.replace(config, eos_token_ids=_merged_eos_ids(model_dir, config))
     dtype = jnp.dtype(config.torch_dtype if dtype == "auto" else normalize_dtype(dtype))
+    parallel.check_config(config, mesh)
     if load_format == "dummy":
-        return LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(DUMMY_SEED)), config
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+        return random_model(config, dtype=dtype, mesh=mesh), config
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0),
+                                                       mesh=mesh))
     graphdef, abstract_state = nnx.split(abstract)
     wanted = {_param_name(path): (path, var) for path, var in nnx.to_flat_state(abstract_state)}
+
+    def place(name, array):
+        """A host tensor on the device, or straight into its shards."""
+        if mesh is None:
+            return jax.device_put(array)
+        return jax.device_put(array, parallel.param_sharding(name, array.shape, config, mesh))
+
     if _is_orbax(model_dir):
-        state = _read_orbax_state(wanted, model_dir / ORBAX_DIR, config)
+        state = _read_orbax_state(wanted, model_dir / ORBAX_DIR, config, place)
     else:
         tensor_files = _tensor_files(model_dir)
         _check_names(wanted, tensor_files, config, model_dir)
-        state = _read_state(wanted, tensor_files)
+        state = _read_state(wanted, tensor_files, place)
     return nnx.merge(graphdef, state), config
+
+
+def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> LlamaForCausalLM:
+    """A model of random weights (load_format "dummy"), drawn on the device tensor by tensor:
+    matrices normal with std DUMMY_STDDEV (the model's own init scale), norm weights one, biases
+    zero.
+
+    A tensor's values depend only on the seed and its place in name order, not on the mesh (JAX's
+    partitionable threefry), so every tensor_parallel_size serves the same model. With a mesh,
+    each tensor is drawn by a program whose output is already sharded (jit out_shardings): every
+    device draws only its shards, and a model larger than one device (a 70B in bf16) never
+    exists whole on one device or on the host. (One jitted init of the whole model would do the
+    same but compiles for minutes at 80 layers; per tensor, a few shapes compile once each.)
+    """
+    parallel.check_config(config, mesh)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.dtype(dtype),
+                                                       rngs=nnx.Rngs(0), mesh=mesh))
+    graphdef, abstract_state = nnx.split(abstract)
+    root = jax.random.key(seed)
+    loaded = []
+    for index, (path, var) in enumerate(nnx.to_flat_state(abstract_state)):
+        name, struct = _param_name(path), var.get_value()
+        kind = ("ones" if name.endswith("norm.weight") else "zeros" if name.endswith(".bias")
+                else "normal")
+        sharding = (None if mesh is None
+                    else parallel.param_sharding(name, struct.shape, config, mesh))
+        draw = _draw_program(tuple(struct.shape), jnp.dtype(struct.dtype).name, kind, sharding)
+        loaded.append((path, var.replace(draw(jax.random.fold_in(root, index)))))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+@functools.lru_cache(maxsize=None)
+def _draw_program(shape: tuple, dtype: str, kind: str, sharding):
+    """The jitted draw of one tensor kind, placed on `sharding` (None: the default device)."""
+    def draw(key):
+        if kind == "normal":
+            return (DUMMY_STDDEV * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+
+    return jax.jit(draw) if sharding is None else jax.jit(draw, out_shardings=sharding)
 
 
 def load_tokenizer(model_dir):
@@ -133,8 +187,8 @@ def _check_names(wanted: dict, tensor_files: dict, config: ModelConfig, model_di
                          f"e.g. {unexpected[:5]}")
 
 
-def _read_state(wanted: dict, tensor_files: dict):
-    """The filled nnx state: each file opened once, each tensor read, cast and put on device."""
+def _read_state(wanted: dict, tensor_files: dict, place):
+    """The filled nnx state: each file opened once, each tensor read, cast and `place`d."""
     loaded = []
     for file, names in _group_by_file(tensor_files, wanted).items():
         with _open(file) as reader:
@@ -144,7 +198,7 @@ def _read_state(wanted: dict, tensor_files: dict):
                 if name not in present:
                     raise ValueError(f"{file}: tensor {name}, listed in the index, is not in it")
                 array = _read_tensor(reader, name, file, var.get_value())
-                loaded.append((path, var.replace(jax.device_put(array))))
+                loaded.append((path, var.replace(place(name, array))))
     return nnx.from_flat_state(loaded)
 
 
@@ -184,7 +238,7 @@ def _is_orbax(model_dir: Path) -> bool:
             and not (model_dir / INDEX_FILE).is_file())
 
 
-def _read_orbax_state(wanted: dict, folder: Path, config: ModelConfig):
+def _read_orbax_state(wanted: dict, folder: Path, config: ModelConfig, place):
     """The filled nnx state from an orbax checkpoint; names and shapes checked from its metadata
     before any tensor is read."""
     import orbax.checkpoint as ocp  # imported here: it is slow to import and most models are HF
@@ -221,5 +275,5 @@ def _read_orbax_state(wanted: dict, folder: Path, config: ModelConfig):
             raise ValueError(f"{folder}: tensor {name} has dtype {array.dtype}, expected "
                              "floating point")
         array = array.astype(var.get_value().dtype, copy=False)
-        loaded.append((path, var.replace(jax.device_put(array))))
+        loaded.append((path, var.replace(place(name, array))))
     return nnx.from_flat_state(loaded)
