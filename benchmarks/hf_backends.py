@@ -1,0 +1,157 @@
+"""The torch peers of benchmarks/e2e.py: Hugging Face transformers with jpaged's own weights.
+
+- `build_hf_model`: transformers' LlamaForCausalLM from the same config JSON, every parameter
+  copied from the jpaged model (names and [out, in] layout are Hugging Face's), checked equal.
+- `run_static`: `generate` with a static (contiguous, maximum-length) cache, batches of B in
+  trace order, prompts left-padded; a batch decodes until its longest output, so tokens past a
+  request's own length are thrown away.
+- `run_continuous`: transformers' continuous batching (its paged cache, `paged|sdpa` attention)
+  with each request's own output length, streamed, stopped after a time cap if one is given.
+EOS is disabled in both, as in jpaged's run (every request produces its drawn length).
+"""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def build_hf_model(config_path, jax_model, *, device, dtype_name="bfloat16"):
+    """transformers' model of config_path holding exactly jax_model's parameters."""
+    import torch
+    import transformers
+    from flax import nnx
+
+    dtype = getattr(torch, dtype_name)
+    raw = json.loads(Path(config_path).read_text())
+    config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    config.eos_token_id = None
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = dict(model.named_parameters())
+    copied = 0
+    for path, var in nnx.to_flat_state(nnx.state(jax_model, nnx.Param)):
+        name = ".".join(str(part) for part in path)
+        source = torch.from_dlpack(var[...])     # a view of the jax buffer, no copy
+        params[name].data.copy_(source)
+        if not torch.equal(params[name].data, source.to(params[name].device)):
+            raise ValueError(f"parameter {name} differs after the copy")
+        copied += 1
+    if copied != len(params):
+        raise ValueError(f"copied {copied} of the torch model's {len(params)} parameters")
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def static_kv_utilisation(batch) -> float:
+    """Mean over a static batch's decode steps of token states over cache slots: request i
+    holds p_i + min(t, o_i - 1) real tokens at step t of max(o) in a cache of max(p) + max(o)."""
+    prompt, steps = max(r.input_len for r in batch), max(r.output_len for r in batch)
+    held = sum(sum(r.input_len + min(t, r.output_len - 1) for r in batch) for t in range(steps))
+    return held / (steps * len(batch) * (prompt + steps))
+
+
+def run_static(model, trace, prompts, *, batch_size, max_batches=None, device, compile=True):
+    """generate with cache_implementation="static" over the trace in batches; returns a dict.
+    compile=False turns off transformers' automatic torch.compile of the static-cache decode
+    step (on by default on a GPU; its compile time then falls inside the first batch)."""
+    import torch
+
+    batches = [list(range(i, min(i + batch_size, len(trace))))
+               for i in range(0, len(trace), batch_size)][:max_batches]
+    useful = decoded = 0
+    utilisation = []
+    start = time.perf_counter()
+    for indices in batches:
+        longest = max(trace[i].input_len for i in indices)
+        new_tokens = max(trace[i].output_len for i in indices)
+        ids = torch.zeros((len(indices), longest), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(indices):             # left padding, as generate expects
+            ids[row, longest - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, longest - len(prompts[i]):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, cache_implementation="static",
+                                 pad_token_id=0, disable_compile=not compile)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        if out.shape[1] != longest + new_tokens:
+            raise RuntimeError(f"generate stopped at {out.shape[1] - longest} of {new_tokens}")
+        useful += sum(trace[i].output_len for i in indices)
+        decoded += len(indices) * new_tokens
+        utilisation.append(static_kv_utilisation([trace[i] for i in indices]))
+    wall = time.perf_counter() - start
+    requests = sum(len(b) for b in batches)
+    return dict(wall=wall, requests=requests, output_tokens=useful, decoded_tokens=decoded,
+                max_concurrent=batch_size, kv_utilisation=float(np.mean(utilisation)),
+                capped=len(batches) * batch_size < len(trace),
+                note=f"{len(batches)} batch(es) of {batch_size}: requests 0-{requests - 1}, "
+                     + ("transformers' torch.compile (its compile time included)" if compile
+                        else "eager (compile off)"))
+
+
+def run_continuous(model, trace, prompts, *, num_blocks, block_size, max_batch_tokens,
+                   time_cap=None, warmup=True):
+    """transformers' continuous batching over the whole trace (all arriving at once), streamed;
+    stops after time_cap seconds of generation (tokens produced by then are counted)."""
+    import transformers
+
+    generation = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(
+        r.output_len for r in trace), eos_token_id=-1, pad_token_id=0)
+    cb_config = transformers.ContinuousBatchingConfig(
+        block_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
+    manager = model.init_continuous_batching(generation_config=generation,
+                                             continuous_batching_config=cb_config)
+    warm_start = time.perf_counter()
+    if warmup:
+        manager.warmup()
+    warmup_seconds = time.perf_counter() - warm_start
+    manager.start()
+    produced, finished, samples = {}, set(), []
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        manager.add_request(prompt, request_id=str(index), max_new_tokens=trace[index].output_len,
+                            streaming=True, eos_token_id=-1)
+    while len(finished) < len(trace):
+        if time_cap is not None and time.perf_counter() - start > time_cap:
+            break
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped")
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+        produced[result.request_id] = len(result.generated_tokens)
+        if result.is_finished():
+            finished.add(result.request_id)
+        samples.append(_cb_sample(manager, produced, finished, trace))
+    wall = time.perf_counter() - start
+    manager.stop(block=True, timeout=30, hard_stop=True)
+    manager.destroy()
+    samples = [s for s in samples if s is not None]
+    return dict(wall=wall, requests=len(finished), output_tokens=sum(produced.values()),
+                decoded_tokens=sum(produced.values()), warmup_seconds=warmup_seconds,
+                max_concurrent=max((s[0] for s in samples), default=None),
+                kv_utilisation=float(np.mean([s[1] for s in samples])) if samples else None,
+                capped=len(finished) < len(trace),
+                note=(f"stopped after {time_cap:.0f} s: {len(finished)} of {len(trace)} "
+                      f"requests finished, tokens of unfinished ones counted"
+                      if len(finished) < len(trace) else "whole trace"))
+
+
+def _cb_sample(manager, produced, finished, trace):
+    """(active requests, token states / KV held) read from transformers' batch processor now, or
+    None if its internals differ from 5.17's."""
+    try:
+        processor = manager.batch_processor
+        active = len(processor.scheduler.active_requests)
+        cache = processor.cache
+        held = (cache.num_blocks - cache.get_num_free_blocks()) * cache.block_size
+    except AttributeError:
+        return None
+    states = sum(trace[int(i)].input_len + n for i, n in produced.items() if i not in finished)
+    return active, min(1.0, states / held) if held else 0.0

@@ -1,0 +1,59 @@
+"""The arithmetic benchmarks/e2e.py and benchmarks/roofline.py report: the static cache's KV
+utilisation and the decode floor's bytes, by hand; the table marks capped and failed runs."""
+
+import dataclasses
+
+from benchmarks import e2e, hf_backends, roofline
+from benchmarks.trace import TraceRequest
+from jpaged.config import ModelConfig
+
+
+def test_static_kv_utilisation_by_hand():
+    """Prompts 2 and 4 (padded to 4), outputs 1 and 3: a cache of 2 x (4 + 3) slots for 3 steps;
+    held: step 0: 2 + 4, step 1: 2 + 5, step 2: 2 + 6 -> 21 of 42."""
+    batch = [TraceRequest(0.0, 2, 1), TraceRequest(0.0, 4, 3)]
+    assert hf_backends.static_kv_utilisation(batch) == 21 / 42
+
+
+def test_floor_bytes_count_every_weight_but_the_embedding_table():
+    config = ModelConfig.preset("tiny")                       # untied, E = 64, V = 256
+    weights, kv = roofline.floor_bytes(config, batch=3, context_tokens=10, dtype="bfloat16")
+    assert weights == (config.num_parameters() - 256 * 64 + 3 * 64) * 2
+    assert kv == 10 * 2 * config.num_hidden_layers * config.num_key_value_heads \
+        * config.head_dim * 2
+    tied = dataclasses.replace(config, tie_word_embeddings=True)
+    assert roofline.floor_bytes(tied, batch=3, context_tokens=0, dtype="float32")[0] == \
+        (tied.num_parameters() + 3 * 64) * 4
+
+
+def test_results_table_marks_capped_and_failed_runs():
+    results = {
+        "paged": dict(wall=2.0, requests=4, output_tokens=100, decoded_tokens=100,
+                      max_concurrent=4, kv_utilisation=0.97, capped=False, note="K=1"),
+        "static": dict(wall=4.0, requests=2, output_tokens=50, decoded_tokens=200,
+                       max_concurrent=2, kv_utilisation=None, capped=True, note="1 batch"),
+        "broken": {"error": "RuntimeError: no"},
+    }
+    lines = e2e.results_table(results).splitlines()
+    assert lines[2] == "| paged | 2.00 | 50 | 4 | 97.0% | 4 | 2.0 | K=1 |"
+    assert lines[3] == ("| static | 0.50 | 12 | 2 | n/m | 2 | 4.0 | CAPPED: 1 batch; 75% of "
+                        "decoded thrown away |")
+    assert lines[4].startswith("| broken | - |") and "RuntimeError: no" in lines[4]
+
+
+def test_step_flops_by_hand():
+    """tiny: 2 layers, H = 4, D = 16; 2 FLOPs per non-embedding weight per sequence, 4 per head
+    x dim per context token per layer."""
+    config = ModelConfig.preset("tiny")
+    linear = config.num_parameters() - 256 * 64
+    assert roofline.step_flops(config, batch=3, context_tokens=10) == \
+        2 * linear * 3 + 4 * 10 * 4 * 16 * 2
+
+
+def test_roofline_table_adds_the_compute_column_only_when_measured():
+    row = dict(batch=2, bucket=4, context=8, seconds=0.004, dispatch_seconds=0.001,
+               weight_bytes=2e9, kv_bytes=1e9, floor=0.002)
+    plain = roofline.table([row], {"best": 1.5e12}).splitlines()
+    assert plain[-1] == "| 2 (4) | 8 | 4.00 | 1.00 | 2.00 | 1.00 | 2.00 | 2.00 | 500 |"
+    with_compute = roofline.table([dict(row, compute_floor=0.0005)], {"best": 1.5e12})
+    assert with_compute.splitlines()[-1].endswith("| 2.00 | 0.50 | 500 |")
