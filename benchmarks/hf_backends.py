@@ -89,8 +89,8 @@ def run_static(model, trace, prompts, *, batch_size, max_batches=None, device, c
                 max_concurrent=batch_size, kv_utilisation=float(np.mean(utilisation)),
                 capped=len(batches) * batch_size < len(trace),
                 note=f"{len(batches)} batch(es) of {batch_size}: requests 0-{requests - 1}, "
-                     + ("transformers' torch.compile (its compile time included)" if compile
-                        else "eager (compile off)"))
+                     + ("transformers' automatic torch.compile allowed (its time, if any, "
+                        "included)" if compile else "eager (compile off)"))
 
 
 def run_continuous(model, trace, prompts, *, num_blocks, block_size, max_batch_tokens,
