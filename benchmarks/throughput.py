@@ -10,6 +10,8 @@ every request produces its drawn length. Reported:
     floor includes the all-reduces;
   - host time per step (scheduling and output processing, outside the device step);
   - compilations, preemptions, largest number of concurrent sequences.
+Interrupted (SIGINT, e.g. `timeout -s INT`), it still reports the steps it ran, marked
+incomplete, with rates over the tokens generated so far.
 Usage: python benchmarks/throughput.py --model llama3-8b [--num-requests 256]
        [--tensor-parallel-size N] [--out FILE]
 Random weights are drawn on the device, already split over the tensor-parallel devices (a 70B
@@ -71,21 +73,30 @@ def run_trace(engine, trace):
     engine.step_log = []
     max_running = 0
     start = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        if len(engine.step_log) % 200 == 0:
-            print(f"step {len(engine.step_log)}: {engine.num_generated_tokens} tokens, "
-                  f"{time.perf_counter() - start:.1f} s, {engine.stats()['num_compilations']} "
-                  "compilations", flush=True)
-        max_running = max(max_running, sum(len(r.live_sequences)
-                                           for r in engine.scheduler.running))
-    return time.perf_counter() - start, max_running
+    is_complete = True
+    try:
+        while engine.has_unfinished():
+            engine.step()
+            if len(engine.step_log) % 200 == 0:
+                print(f"step {len(engine.step_log)}: {engine.num_generated_tokens} tokens, "
+                      f"{time.perf_counter() - start:.1f} s, "
+                      f"{engine.stats()['num_compilations']} compilations", flush=True)
+            max_running = max(max_running, sum(len(r.live_sequences)
+                                               for r in engine.scheduler.running))
+    except KeyboardInterrupt:  # a time limit: report what ran
+        is_complete = False
+    return time.perf_counter() - start, max_running, is_complete
 
 
-def report(args, engine, config, trace, wall, max_running, bandwidth, compile_before) -> str:
+def report(args, engine, config, trace, wall, max_running, bandwidth, compile_before,
+           is_complete=True) -> str:
     stats = engine.stats()
     log = engine.step_log
-    output_tokens = sum(r.output_len for r in trace)
+    trace_tokens = sum(r.output_len for r in trace)
+    output_tokens = trace_tokens if is_complete else engine.num_generated_tokens
+    incomplete = [] if is_complete else [
+        f"INCOMPLETE: interrupted after {wall:.1f} s with {output_tokens} of {trace_tokens} "
+        "output tokens; the rates below are over the tokens generated"]
     weight_bytes = config.num_parameters() * jnp.dtype(args.dtype).itemsize
     tp = args.tensor_parallel_size
     kv_per_token = config.kv_bytes_per_token(engine.config.kv_dtype)
@@ -113,8 +124,9 @@ def report(args, engine, config, trace, wall, max_running, bandwidth, compile_be
         f"{engine.config.block_size}, attention {stats['attention_backend']}",
         f"trace: {len(trace)} requests, mean input "
         f"{np.mean([r.input_len for r in trace]):.0f}, mean output "
-        f"{np.mean([r.output_len for r in trace]):.0f} tokens, {output_tokens} output tokens",
+        f"{np.mean([r.output_len for r in trace]):.0f} tokens, {trace_tokens} output tokens",
         f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)",
+        *incomplete,
         "",
         "| metric | value |", "|---|---:|",
         f"| wall time (s) | {wall:.1f} |",
@@ -168,8 +180,9 @@ def main(argv=None):
     engine, config = build_engine(args)
     trace = make_trace(args.num_requests, **SHAREGPT, seed=0)
     compile_before = engine.runner.compile_seconds
-    wall, max_running = run_trace(engine, trace)
-    text = report(args, engine, config, trace, wall, max_running, bandwidth, compile_before)
+    wall, max_running, is_complete = run_trace(engine, trace)
+    text = report(args, engine, config, trace, wall, max_running, bandwidth, compile_before,
+                  is_complete)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

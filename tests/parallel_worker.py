@@ -19,7 +19,8 @@ import sys
 PROMPTS = [[3, 17, 42, 99, 5], list(range(10, 40)), [7] * 12, [200, 201, 13]]
 MAX_TOKENS = 10
 ENGINE_OPTIONS = dict(num_kv_blocks=64, max_model_len=96, max_num_seqs=4,
-                      max_num_batched_tokens=32, block_size=8, preemption_mode="recompute")
+                      max_num_batched_tokens=32, block_size=8, preemption_mode="recompute",
+                      warmup=False)  # on a GPU warm-up would compile every bucket first
 PARAMETERS = {  # Hugging Face name -> short key in the report
     "model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head",
     "model.norm.weight": "norm", "model.layers.0.self_attn.q_proj.weight": "q",

@@ -4,7 +4,8 @@
 # tokens, shardings, and two data-parallel replicas behind the server app), then (2)
 # benchmarks/throughput.py on the 256-request ShareGPT-like trace: llama3-70b at TP=2, llama3-8b
 # at TP=2 and TP=1. Writes env.txt, parity.json, run.log, one table per run and summary.md into
-# OUT_DIR. Each throughput run has its own time limit (seconds: LIMIT_70B, LIMIT_8B).
+# OUT_DIR. Each throughput run has its own time limit (seconds: LIMIT_70B, LIMIT_8B), after
+# which it reports the steps it ran, marked incomplete.
 #
 # Usage, from the repository root: bash benchmarks/results/tensor_parallel_h200x2.sh OUT_DIR
 # CHECKPOINT (a tiny GQA checkpoint already written, e.g. by tests/hf_fixtures.py), PYTHON,
@@ -17,6 +18,12 @@ python=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
+# The server app (data-parallel check) needs fastapi, which the GPU machine lacks: wheels carried
+# in .whl/ (see the device tool's notes) are installed first when present.
+if [ -d .whl ]; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 log="$out/run.log"
 
 {
@@ -64,7 +71,7 @@ run() {  # name, time limit, flags...
   shift 2
   start=$SECONDS
   # shellcheck disable=SC2086  # FLAGS is split on purpose
-  timeout "$limit" "$python" benchmarks/throughput.py --num-requests 256 "$@" ${FLAGS:-} \
+  timeout -s INT "$limit" "$python" benchmarks/throughput.py --num-requests 256 "$@" ${FLAGS:-} \
     --out "$out/$name.md" >> "$log" 2>&1
   echo "$name: exit $?, $((SECONDS - start)) s" | tee -a "$log"
 }
