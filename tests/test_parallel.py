@@ -218,7 +218,12 @@ def test_multihost_two_processes_on_loopback(hf_checkpoints, report):
     port = str(_free_port())
     processes = [_worker("multihost", hf_checkpoints["llama_gqa"], port, str(rank), "2",
                          devices=2) for rank in range(2)]
-    results = [_result(process) for process in processes]
+    try:
+        results = [_result(process) for process in processes]
+    finally:  # one failed process leaves the other waiting for its peer
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
     for result in results:
         assert (result["process_count"], result["global_devices"], result["local_devices"]) \
             == (2, 4, 2)
