@@ -92,6 +92,20 @@ class BlockLedger:
         self.queue("release", dropped)
         return True
 
+    def evict_behind_loop(self, count: int) -> list[int] | None:
+        """Evict `count` cached blocks while a decode loop is in flight: the device release is
+        queued now (it lands after that loop), and the caller applies the returned blocks to the
+        mirror with `release_in_mirror` after replaying the loop, keeping the free stacks in the
+        same order. None (nothing evicted) if the cache cannot."""
+        if self.num_evictable() < count:
+            return None
+        dropped = self.prefix_cache.evict(count, ())
+        self.queue("release", dropped)
+        return dropped
+
+    def release_in_mirror(self, blocks: list[int]):
+        self.mirror.release(blocks)
+
     def lookup(self, sequences: list[Sequence]) -> list[list[int]]:
         """Cached leading blocks per sequence (at least one token is left to compute)."""
         if self.prefix_cache is None:

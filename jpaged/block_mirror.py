@@ -51,6 +51,19 @@ class HostBlockMirror:
                     holders[last] = remaining - 1
         return total
 
+    def blocks_for_tokens(self, seq_ids: list[int], num_tokens: int) -> int:
+        """Most blocks appending num_tokens to each of seq_ids could pop: boundary crossings,
+        plus a copy-on-write where a partly filled last block is shared."""
+        size, total = self.block_size, 0
+        for seq_id in seq_ids:
+            if seq_id < 0:
+                continue
+            length = self.seq_lens[seq_id]
+            total += -(-(length + num_tokens) // size) - (-(-length // size))
+            if length % size and self.refcounts[self.tables[seq_id][-1]] > 1:
+                total += 1
+        return total
+
     def append(self, rows: list[tuple[int, int]]):
         """Mirror of append_tokens over (seq_id, num_tokens) rows in batch order.
 
@@ -86,6 +99,13 @@ class HostBlockMirror:
             all_copies.append(copy)
             self.seq_lens[seq_id] = old_len + count
         return True, all_slots, all_copies
+
+    def add_block(self, seq_id: int):
+        """A fresh block at the end of seq_id's table: a decode-loop append that crossed a block
+        boundary, replayed (the length is the caller's to update)."""
+        fresh = self._pop()
+        self.refcounts[fresh] = 1
+        self.tables[seq_id].append(fresh)
 
     def free(self, seq_ids: list[int]) -> list[int]:
         """Mirror of free_seqs: decrement all, then push zeros in first-occurrence order.

@@ -10,7 +10,7 @@ tokens from the in-flight loop are discarded.
 
 import dataclasses
 
-from jpaged.request import Sequence
+from jpaged.request import Samples, Sequence
 from jpaged.runner import LaunchedLoop
 from jpaged.sampling import SamplingRow
 from jpaged.scheduler import ScheduledRow
@@ -32,6 +32,7 @@ class DecodePipeline:
         self.engine = engine
         self.in_flight: InFlight | None = None
         self.deferred: list[Sequence] = []   # frees dispatched after the in-flight loop
+        self.deferred_releases: list[int] = []  # cached blocks evicted after it, likewise
         self.ran_dry = False                 # the last fetched loop stopped for lack of blocks
 
     def launch(self, rows: list[ScheduledRow], num_steps: int):
@@ -67,8 +68,10 @@ class DecodePipeline:
         engine.scheduler.replay_decode_loop(current.rows, current.active, done_at, num_done,
                                             current.first_planned)
         engine.scheduler.release_in_mirror(self.deferred)
-        self.deferred = []
+        engine.scheduler.ledger.release_in_mirror(self.deferred_releases)
+        self.deferred, self.deferred_releases = [], []
         token_ids, logprobs = result.token_ids.T.tolist(), result.logprobs.T.tolist()
+        top_ids, top_logprobs = result.top_ids.swapaxes(0, 1), result.top_logprobs.swapaxes(0, 1)
         results, device_freed = [], []
         for b, row in enumerate(current.rows):
             if not current.active[b]:
@@ -77,9 +80,9 @@ class DecodePipeline:
             row.seq.num_computed += count - current.first_planned
             if row.seq.is_finished:  # finished on the host while this loop ran: tokens dropped
                 continue
-            results.append((row, row.seq.index, [
-                (token_ids[b][i], logprobs[b][i], result.top_ids[i, b], result.top_logprobs[i, b])
-                for i in range(count)]))
+            results.append((row, row.seq.index, Samples(
+                token_ids[b][:count], logprobs[b][:count], top_ids[b, :count],
+                top_logprobs[b, :count])))
             if done_at[b] >= 0:
                 device_freed.append(row.seq)
         if following is not None:
@@ -87,6 +90,11 @@ class DecodePipeline:
                                 zip(current.active, done_at, following.keep)]
         self.in_flight = following
         return results, device_freed
+
+    def live_sequences(self) -> list[Sequence]:
+        """Sequences the in-flight loop decodes and the next loop would continue."""
+        return [row.seq for row, keep in zip(self.in_flight.rows, self.in_flight.keep)
+                if keep and not row.seq.is_finished]
 
     def covers(self, sequences) -> bool:
         """Does the in-flight loop decode every one of these sequences (so chaining it starves

@@ -19,7 +19,7 @@ from jpaged.block_mirror import HostBlockMirror
 from jpaged.decode_pipeline import DecodePipeline
 from jpaged.detokenizer import IncrementalDetokenizer
 from jpaged.engine_config import EngineConfig, build_engine_config, resolve_engine_config
-from jpaged.request import CompletionOutput, Request, RequestOutput, Sequence
+from jpaged.request import CompletionOutput, Request, RequestOutput, Samples, Sequence
 from jpaged.runner import ModelRunner
 from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow, request_seed
 from jpaged.prefix_cache import PrefixCache
@@ -140,7 +140,8 @@ class LLMEngine:
         self._check_fits(token_ids, params)
         request = Request(request_id=request_id, prompt=prompt, prompt_token_ids=token_ids,
                           params=params, seed=request_seed(params, self._rng),
-                          arrival_index=next(self._arrivals), priority=priority)
+                          arrival_index=next(self._arrivals), priority=priority,
+                          stop_id_set=frozenset(self.stop_ids(params)))
         request.sequences[0].detokenizer = self._detokenizer(token_ids, params)
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -235,16 +236,22 @@ class LLMEngine:
         start = time.perf_counter()
         if self.pipeline.in_flight is not None:
             rows = self.pipeline.in_flight.rows
-            results, device_freed = self.pipeline.advance(chain=self._can_chain())
+            chain = self._can_chain() and self._room_to_chain()
+            self._flush_block_ops()  # evictions that made room land before the next loop
+            results, device_freed = self.pipeline.advance(chain=chain)
             is_decode, num_tokens = True, len(rows)
         else:
             schedule = self.scheduler.schedule()
+            queued = self.scheduler.waiting or self.scheduler.swapped
+            is_loop = bool(schedule.rows) and self._is_pure_decode(schedule) and not queued
+            if is_loop:  # iteration 0 is planned; room for the rest
+                self.scheduler.make_room_for_loop([row.seq for row in schedule.rows],
+                                                  self.config.num_scheduler_steps - 1)
             self._flush_block_ops()
             if not schedule.rows:
                 return []
             rows, is_decode, num_tokens = schedule.rows, schedule.is_decode, schedule.num_tokens
-            queued = self.scheduler.waiting or self.scheduler.swapped
-            if self._is_pure_decode(schedule) and not queued:
+            if is_loop:
                 self.pipeline.launch(schedule.rows, self.config.num_scheduler_steps)
                 if self._can_chain():
                     return []  # this loop's tokens come back with the next step
@@ -262,7 +269,7 @@ class LLMEngine:
             self.step_log.append(StepRecord(
                 is_decode, len(rows), num_tokens,
                 sum(row.start + row.num_tokens for row in rows),
-                sum(len(samples) for _, _, samples in results), device_seconds,
+                sum(len(samples.token_ids) for _, _, samples in results), device_seconds,
                 total_seconds - device_seconds, self.runner.last_step_compiled))
         return outputs
 
@@ -281,6 +288,19 @@ class LLMEngine:
                 and not self.pipeline.ran_dry
                 and self.pipeline.covers(s for r in running for s in r.live_sequences))
 
+    def _room_to_chain(self) -> bool:
+        """Can the free stack serve the in-flight loop and the next one, evicting cached blocks
+        if needed? A loop allocates only from the free stack, so without this a pool full of
+        evictable prefix-cache blocks would stop every chained loop early."""
+        in_flight = self.pipeline.in_flight
+        steps = in_flight.launched.static["max_steps"]
+        released = self.scheduler.room_behind_loop(self.pipeline.live_sequences(),
+                                                   2 * steps - in_flight.first_planned)
+        if released is None:
+            return False
+        self.pipeline.deferred_releases += released
+        return True
+
     def _run_step(self, schedule):
         """One compiled step of any mix; returns [(row, sample_index, samples)]."""
         rows = [(row.seq.slot, row.token_ids) for row in schedule.rows]
@@ -294,8 +314,9 @@ class LLMEngine:
         num_logprobs = max(row.request.params.logprobs or 0 for row in schedule.rows)
         token_ids, logprobs, top_ids, top_logprobs = self.runner.execute(
             rows, sampling_rows, num_logprobs)
-        return [(row, sample_index, [(int(token_ids[i]), float(logprobs[i]), top_ids[i],
-                                      top_logprobs[i])])
+        token_ids, logprobs = token_ids.tolist(), logprobs.tolist()
+        return [(row, sample_index, Samples(token_ids[i:i + 1], logprobs[i:i + 1],
+                                            top_ids[i:i + 1], top_logprobs[i:i + 1]))
                 for i, (row, sample_index) in enumerate(targets)]
 
     def stop_ids(self, params: SamplingParams) -> list[int]:
@@ -317,10 +338,7 @@ class LLMEngine:
             if sample_index != seq.index:  # the n-1 siblings come to life at the prompt's end
                 seq = self._new_child(request, row.seq, sample_index)
                 children.setdefault(request.request_id, []).append(seq)
-            for token, logprob, top_ids, top_logprobs in samples:
-                self._append_token(request, seq, token, logprob, top_ids, top_logprobs)
-                if seq.is_finished:
-                    break
+            self._append_samples(request, seq, samples)
             if request.first_token_time is None:
                 request.first_token_time = now
             touched[request.request_id] = request
@@ -354,25 +372,33 @@ class LLMEngine:
         request.sequences.sort(key=lambda s: s.index)
         return child
 
-    def _append_token(self, request, seq: Sequence, token: int, logprob: float, top_ids,
-                      top_logprobs):
+    def _append_samples(self, request, seq: Sequence, samples: Samples):
+        """Append a step's or a loop's tokens to seq, up to the first that ends it: a stop
+        string (the detokenizer's match), a stop id or EOS, max_tokens or max_model_len."""
         params = request.params
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if params.logprobs is not None:
-            entry = {int(t): float(lp) for t, lp in
-                     zip(top_ids[:params.logprobs], top_logprobs[:params.logprobs])}
-            entry[token] = logprob
-            seq.logprobs.append(entry)
-        self.num_generated_tokens += 1
-        _, hit_stop_string = seq.detokenizer.append([token])
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        tokens = samples.token_ids
+        room = max(1, min(params.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens),
+                          self.config.max_model_len - len(seq.token_ids)))
+        stop_ids = request.stop_id_set
+        end = next((i + 1 for i, token in enumerate(tokens[:room]) if token in stop_ids),
+                   min(room, len(tokens)))
+        consumed = seq.detokenizer.num_tokens
+        _, hit_stop_string = seq.detokenizer.append(tokens[:end])
         if hit_stop_string:
+            end = seq.detokenizer.num_tokens - consumed
+        taken = tokens[:end]
+        seq.token_ids.extend(taken)
+        seq.cumulative_logprob += sum(samples.logprobs[:end])
+        if params.logprobs is not None:
+            for i, token in enumerate(taken):
+                entry = dict(zip(samples.top_ids[i, :params.logprobs].tolist(),
+                                 samples.top_logprobs[i, :params.logprobs].tolist()))
+                entry[token] = samples.logprobs[i]
+                seq.logprobs.append(entry)
+        self.num_generated_tokens += end
+        if hit_stop_string or (taken and taken[-1] in stop_ids):
             seq.finish_reason = "stop"
-        elif token in params.stop_token_ids or (not params.ignore_eos
-                                                 and token in self.eos_token_ids):
-            seq.finish_reason = "stop"
-        elif num_output >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+        elif end == room:
             seq.finish_reason = "length"
         if seq.is_finished and not hit_stop_string:
             seq.detokenizer.flush()

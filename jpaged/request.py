@@ -3,6 +3,9 @@
 import dataclasses
 import enum
 import time
+from typing import NamedTuple
+
+import numpy as np
 
 from jpaged.sampling import SamplingParams
 
@@ -54,6 +57,7 @@ class Request:
     seed: int
     arrival_index: int
     priority: int = 0
+    stop_id_set: frozenset = frozenset()   # ids that end a sequence: stop ids, EOS unless ignored
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
@@ -80,6 +84,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.is_forked and not self.live_sequences
+
+
+class Samples(NamedTuple):
+    """One sequence's tokens sampled in one step or loop, in order: token_ids [n], logprobs [n],
+    and the top alternatives top_ids, top_logprobs: [n, L] arrays (L = 0 when none asked)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 @dataclasses.dataclass

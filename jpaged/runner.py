@@ -17,12 +17,12 @@ import time
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jpaged import kv_cache, memory, parallel
 from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
                                 decode_loop, fork_program, free_program, next_inputs, pack,
-                                pop_program, release_program, retain_program, step_program)
+                                pop_program, release_program, retain_program, split_model,
+                                step_program)
 from jpaged.sampling import MAX_LOGPROBS, SAMPLER_MODES, SamplingTensors, sampler_mode
 
 
@@ -77,7 +77,7 @@ class ModelRunner:
                  max_model_len: int, max_num_batched_tokens: int, kv_dtype,
                  attention_backend: str = "reference", interpret: bool = False):
         config = model.config
-        self.graphdef, self.params = nnx.split(model)
+        self.model_def, self.param_leaves = split_model(model)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -179,8 +179,8 @@ class ModelRunner:
         start = time.perf_counter()
         packed, layout = pack(inputs)
         self.manager, self.cache, out, ok = self._timed(
-            key, step_program, self.params, self.manager, self.cache, self._put(packed),
-            layout=layout, graphdef=self.graphdef, is_decode=is_decode,
+            key, step_program, self.param_leaves, self.manager, self.cache, self._put(packed),
+            layout=layout, model_def=self.model_def, is_decode=is_decode,
             num_logprobs=logprob_bucket, backend=self.attention_backend,
             interpret=self.interpret)
         out, ok = jax.device_get((out, ok))
@@ -238,17 +238,27 @@ class ModelRunner:
                             previous.num_rows)
 
     def _put(self, host_array) -> jax.Array:
-        """One host-to-device transfer (replicated over the mesh under tensor parallelism)."""
-        return jax.device_put(host_array, self.input_sharding)
+        """One host-to-device transfer (replicated over the mesh under tensor parallelism).
+
+        Always committed to its device(s), as the programs' outputs are: jit keys its cache on
+        commitment, so an uncommitted input would compile a program a second time when a later
+        call passes an output in its place (a chained loop's inputs come from `next_inputs`)."""
+        return jax.device_put(host_array, self.input_sharding
+                              or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
     def _launch(self, packed, layout, batch, static, num_rows) -> "LaunchedLoop":
         """batch: (rows, stop-id width) buckets of the loop's inputs."""
         key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
         start = time.perf_counter()
         self.manager, self.cache, result = self._timed(
-            key, decode_loop, self.params, self.manager, self.cache, packed, layout=layout,
-            graphdef=self.graphdef, backend=self.attention_backend, interpret=self.interpret,
+            key, decode_loop, self.param_leaves, self.manager, self.cache, packed, layout=layout,
+            model_def=self.model_def, backend=self.attention_backend, interpret=self.interpret,
             **static)
+        # Start the copy to the host now, queued behind this loop. Requested only at fetch time,
+        # after the next loop was dispatched, it waited for that loop too on the H200 (a 55 ms
+        # program's result took 140 ms to fetch behind a second one, 54 ms copied early).
+        for leaf in jax.tree_util.tree_leaves(result):
+            leaf.copy_to_host_async()
         return LaunchedLoop(packed, layout, batch, result, static, num_rows, start)
 
     def fetch_decode(self, launched: "LaunchedLoop", count: int) -> DecodeResult:
@@ -358,6 +368,15 @@ class ModelRunner:
     @property
     def num_compilations(self) -> int:
         return len(self.compiled_shapes)
+
+    @property
+    def graphdef(self):
+        return self.model_def.graphdef
+
+    @property
+    def params(self):
+        """The parameters as an `nnx.State`, for inspection (the programs take param_leaves)."""
+        return jax.tree_util.tree_unflatten(self.model_def.treedef, self.param_leaves)
 
     @functools.cached_property
     def num_blocks(self) -> int:

@@ -141,6 +141,25 @@ class Scheduler:
                 self.free_slots.append(seq.slot)
             seq.slot, seq.num_computed, seq.num_indexed = -1, 0, 0
 
+    # ---- room for decode loops (they allocate on the device, from the free stack only) ------
+    def make_room_for_loop(self, sequences: list[Sequence], num_tokens: int):
+        """Before a decode loop is launched (none in flight): evict cached blocks until the free
+        stack can serve num_tokens more tokens for every sequence. Best effort: what the cache
+        cannot give, the loop reports as out_of_blocks and the next schedule preempts."""
+        deficit = (self.mirror.blocks_for_tokens([seq.slot for seq in sequences], num_tokens)
+                   - self.mirror.num_free)
+        if deficit > 0:
+            self.ledger.evict(min(deficit, self.ledger.num_evictable()))
+
+    def room_behind_loop(self, sequences: list[Sequence], num_tokens: int) -> list[int] | None:
+        """While a loop is in flight (its tokens not yet in the mirror): make the free stack able
+        to serve num_tokens more tokens per sequence, counted from the mirror, by evicting cached
+        blocks behind the loop. Returns the evicted blocks, which the mirror must release after
+        replaying the in-flight loop ([] if none were needed), or None if there is no room."""
+        deficit = (self.mirror.blocks_for_tokens([seq.slot for seq in sequences], num_tokens)
+                   - self.mirror.num_free)
+        return [] if deficit <= 0 else self.ledger.evict_behind_loop(deficit)
+
     def replay_decode_loop(self, rows: list[ScheduledRow], active: list[bool],
                            done_at: list[int], num_done: int, first_planned: bool):
         """Repeat on the mirror what a device decode loop did: iteration i appends one token to
@@ -148,8 +167,45 @@ class Scheduler:
         `schedule` already planned iteration 0's appends. The device did these frees itself:
         nothing is queued."""
         slots = [row.seq.slot for row in rows]
+        first = int(first_planned)  # the first iteration still to replay
+        mirror, size = self.mirror, self.mirror.block_size
+        if not first_planned and any(
+                live and mirror.seq_lens[slot] % size
+                and mirror.refcounts[mirror.tables[slot][-1]] > 1
+                for slot, live in zip(slots, active)):
+            return self._replay_by_iteration(slots, active, done_at, num_done, first)
+        # Only block-boundary crossings and retirements change the free stack, so replay those
+        # events in the device's order (iteration, then appends before frees, then batch
+        # order) instead of every token: O(events), not O(rows x iterations).
+        events, grown = [], []
+        for index, (slot, live, done) in enumerate(zip(slots, active, done_at)):
+            if not live:
+                continue
+            last = done if done >= 0 else num_done - 1   # the last iteration it appended at
+            # iteration i appends the token at position seq_len + i - first
+            events += [(step, 0, index) for step in
+                       range(first + (-mirror.seq_lens[slot]) % size, last + 1, size)]
+            if done >= 0:
+                events.append((done, 1, index))
+            else:
+                grown.append((slot, last + 1 - first))
+        events.sort()
+        retired = []
+        for position, (step, is_free, index) in enumerate(events):
+            if is_free:
+                retired.append(slots[index])
+                if position + 1 == len(events) or events[position + 1][:2] != (step, 1):
+                    self.ledger.free_in_mirror(retired)   # one iteration's frees together
+                    retired = []
+            else:
+                mirror.add_block(slots[index])
+        for slot, count in grown:
+            mirror.seq_lens[slot] += count
+
+    def _replay_by_iteration(self, slots, active, done_at, num_done: int, first: int):
+        """replay_decode_loop one iteration at a time: the general case (copies-on-write)."""
         for step in range(num_done):
-            if step > 0 or not first_planned:
+            if step >= first:
                 ok, _, _ = self.mirror.append([
                     (slot, 1) for slot, live, done in zip(slots, active, done_at)
                     if live and (done < 0 or done >= step)])

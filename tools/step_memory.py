@@ -51,21 +51,21 @@ def main(argv=None):
                          max_num_batched_tokens=args.tokens, kv_dtype=args.dtype,
                          attention_backend=backend, interpret=interpret)
     kv_bytes = sum(x.nbytes for x in runner.cache.k_pages + runner.cache.v_pages)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params))
+    weight_bytes = sum(x.nbytes for x in runner.param_leaves)
     pad = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
     packed, layout = device_step.pack(runner._build_inputs([(-1, [0] * args.tokens)],
                                                            [(0, pad)])[0])
-    static = dict(graphdef=runner.graphdef, backend=backend, interpret=interpret)
+    static = dict(model_def=runner.model_def, backend=backend, interpret=interpret)
     analyse(device_step.step_program.lower(
-        runner.params, runner.manager, runner.cache, jax.device_put(packed), layout=layout,
-        is_decode=False, num_logprobs=0, **static), f"mixed step, {args.tokens} tokens", kv_bytes, weight_bytes)
+        runner.param_leaves, runner.manager, runner.cache, jax.device_put(packed),
+        layout=layout, is_decode=False, num_logprobs=0, **static),
+        f"mixed step, {args.tokens} tokens", kv_bytes, weight_bytes)
     launched = runner.launch_decode([(-1, 0)] * args.batch, [pad] * args.batch,
                                     [0] * args.batch, [[]] * args.batch, 1, 8,
                                     args.max_model_len, 0)
     analyse(device_step.decode_loop.lower(
-        runner.params, runner.manager, runner.cache, launched.packed, layout=launched.layout,
-        max_steps=8,
-        max_model_len=args.max_model_len, num_logprobs=0, **static),
+        runner.param_leaves, runner.manager, runner.cache, launched.packed,
+        layout=launched.layout, **launched.static, **static),
         f"decode loop, batch {args.batch}", kv_bytes, weight_bytes)
 
 
