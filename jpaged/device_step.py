@@ -68,8 +68,9 @@ class DecodeResult:
 
     token_ids, logprobs: [K, B]; top_ids, top_logprobs: [K, B, L]: iteration i's samples.
     done_at: [B] int32, the iteration at which a row finished on the device (its blocks are
-    already free), -1 if it did not. num_done: [] int32 iterations run. out_of_blocks: [] bool,
-    the loop stopped early because the pool could not serve the next iteration.
+    already free), -1 if it did not. num_done: [] int32 iterations run. out_of_blocks: [] int32,
+    1 if the loop stopped early because the pool could not serve the next iteration.
+    The loop returns it packed (`pack_traced`, layout `result_layout`): one buffer, one copy.
     """
     token_ids: jax.Array
     logprobs: jax.Array
@@ -92,6 +93,28 @@ def pack(tree):
         raise TypeError(f"pack takes 4-byte leaves, got {[a.dtype.name for a in arrays]}")
     layout = (treedef, tuple((a.shape, a.dtype.name) for a in arrays))
     return np.concatenate([a.reshape(-1).view(np.int32) for a in arrays]), layout
+
+
+def unpack_host(buffer: np.ndarray, layout):
+    """`unpack` on the host: numpy views into a fetched buffer."""
+    treedef, specs = layout
+    leaves, offset = [], 0
+    for shape, dtype in specs:
+        size = math.prod(shape)
+        leaves.append(buffer[offset:offset + size].view(dtype).reshape(shape))
+        offset += size
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def result_layout(max_steps: int, batch: int, num_logprobs: int):
+    """The packed layout of a decode loop's `DecodeResult`."""
+    def zeros(shape, dtype=np.int32):
+        return np.zeros(shape, dtype)
+    return pack(DecodeResult(
+        zeros((max_steps, batch)), zeros((max_steps, batch), np.float32),
+        zeros((max_steps, batch, num_logprobs)), zeros((max_steps, batch, num_logprobs),
+                                                       np.float32),
+        zeros(batch), zeros(()), zeros(())))[1]
 
 
 def pack_traced(tree):
@@ -249,15 +272,16 @@ def decode_loop_impl(param_leaves, manager, cache, packed, *, layout, model_def,
     out_of_blocks = ((num_done < wanted) & jnp.any(active)
                      & ~memory.can_append(manager, live_ids(active), ones))
     result = DecodeResult(*outputs, done_at=done_at, num_done=num_done,
-                          out_of_blocks=out_of_blocks)
-    return manager, cache, result
+                          out_of_blocks=out_of_blocks.astype(jnp.int32))
+    return manager, cache, pack_traced(result)
 
 
-def next_inputs_impl(packed, result: DecodeResult, control, *, layout):
-    """The packed inputs of the loop that continues `result`: each live row's last sampled token,
-    its positions and remaining budget advanced by the iterations run. control: [B + 1] int32,
-    a keep flag per row (0: finished on the host) then the iterations wanted."""
+def next_inputs_impl(packed, packed_result, control, *, layout, result_layout):
+    """The packed inputs of the loop that continues a loop's packed result: each live row's last
+    sampled token, its positions and remaining budget advanced by the iterations run. control:
+    [B + 1] int32, a keep flag per row (0: finished on the host) then the iterations wanted."""
     inputs: DecodeInputs = unpack(packed, layout)
+    result: DecodeResult = unpack(packed_result, result_layout)
     keep, num_steps = control[:-1] != 0, control[-1]
     ran = result.num_done
     last = result.token_ids[jnp.maximum(ran - 1, 0)]
@@ -277,7 +301,7 @@ step_program = jax.jit(step_impl, donate_argnums=(1, 2), static_argnames=(
 decode_loop = jax.jit(decode_loop_impl, donate_argnums=(1, 2), static_argnames=(
     "layout", "model_def", "max_steps", "max_model_len", "num_logprobs", "sampler", "backend",
     "interpret"))
-next_inputs = jax.jit(next_inputs_impl, static_argnames="layout")
+next_inputs = jax.jit(next_inputs_impl, static_argnames=("layout", "result_layout"))
 free_program = jax.jit(memory.free_seqs, donate_argnums=0)
 fork_program = jax.jit(memory.fork_seqs, donate_argnums=0)
 retain_program = jax.jit(memory.retain_blocks, donate_argnums=0)

@@ -406,11 +406,12 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput:
         want_logprobs = request.params.logprobs is not None
         completions = [CompletionOutput(
-            index=seq.index, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
+            index=seq.index, text=seq.detokenizer.text,
+            token_ids=seq.token_ids[seq.num_prompt_tokens:],
             cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
             logprobs=list(seq.logprobs) if want_logprobs else None,
             finish_reason=seq.finish_reason) for seq in request.sequences]
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.is_finished, request.num_preemptions,
                              request.num_recomputed_tokens, request.num_cached_tokens)
 

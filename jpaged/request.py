@@ -83,7 +83,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.is_forked and not self.live_sequences
+        return self.is_forked and all(seq.finish_reason is not None for seq in self.sequences)
 
 
 class Samples(NamedTuple):

@@ -21,18 +21,20 @@ import numpy as np
 from jpaged import kv_cache, memory, parallel
 from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
                                 decode_loop, fork_program, free_program, next_inputs, pack,
-                                pop_program, release_program, retain_program, split_model,
-                                step_program)
+                                pop_program, release_program, result_layout, retain_program,
+                                split_model, step_program, unpack_host)
 from jpaged.sampling import MAX_LOGPROBS, SAMPLER_MODES, SamplingTensors, sampler_mode
 
 
 @dataclasses.dataclass
 class LaunchedLoop:
-    """A dispatched decode loop: its packed device inputs and (not yet fetched) results."""
+    """A dispatched decode loop: its packed device inputs and (not yet fetched) packed results
+    (a `DecodeResult` laid out by `result_layout`)."""
     packed: jax.Array
     layout: tuple
     batch: int
-    result: DecodeResult
+    result: jax.Array
+    result_layout: tuple
     static: dict
     num_rows: int
     start: float
@@ -233,7 +235,8 @@ class ModelRunner:
         control[:len(keep)] = keep
         control[-1] = num_steps
         packed = self._timed(("next", *previous.batch), next_inputs, previous.packed,
-                             previous.result, self._put(control), layout=previous.layout)
+                             previous.result, self._put(control), layout=previous.layout,
+                             result_layout=previous.result_layout)
         return self._launch(packed, previous.layout, previous.batch, previous.static,
                             previous.num_rows)
 
@@ -257,13 +260,14 @@ class ModelRunner:
         # Start the copy to the host now, queued behind this loop. Requested only at fetch time,
         # after the next loop was dispatched, it waited for that loop too on the H200 (a 55 ms
         # program's result took 140 ms to fetch behind a second one, 54 ms copied early).
-        for leaf in jax.tree_util.tree_leaves(result):
-            leaf.copy_to_host_async()
-        return LaunchedLoop(packed, layout, batch, result, static, num_rows, start)
+        result.copy_to_host_async()
+        layout_of_result = result_layout(static["max_steps"], batch[0], static["num_logprobs"])
+        return LaunchedLoop(packed, layout, batch, result, layout_of_result, static, num_rows,
+                            start)
 
     def fetch_decode(self, launched: "LaunchedLoop", count: int) -> DecodeResult:
         """Wait for a launched loop; its results on the host, cut to the real rows."""
-        result = jax.device_get(launched.result)
+        result = unpack_host(np.asarray(launched.result), launched.result_layout)
         self.last_device_seconds = time.perf_counter() - launched.start
         steps = int(result.num_done)
         self.num_padded_tokens += result.done_at.shape[0] * steps
