@@ -1,6 +1,6 @@
-"""The jitted device programs: one step of any mix, the multi-step decode loop, and the
-continuation of a loop from its own results. Everything here runs on the device; `runner.py`
-builds the inputs, picks the shapes and dispatches.
+"""The jitted device programs: one step of any mix, and the multi-step decode loop, which can
+continue from the previous loop's results on the device. Everything here runs on the device;
+`runner.py` builds the inputs, picks the shapes and dispatches.
 
 Both programs DONATE the block-manager state (argument 1) and the KV cache (argument 2): XLA
 updates them in place, and callers must replace their references with the returned ones.
@@ -204,10 +204,43 @@ def step_impl(param_leaves, manager, cache, packed, *, layout, model_def, is_dec
     return manager, cache, out, appended.ok
 
 
-def decode_loop_impl(param_leaves, manager, cache, packed, *, layout, model_def, max_steps,
-                     max_model_len, num_logprobs, sampler, backend, interpret):
-    """Up to inputs.num_steps decode iterations for the whole batch in one device loop;
-    packed: `pack(DecodeInputs)`'s buffer.
+def continue_inputs(inputs: DecodeInputs, result: DecodeResult, control) -> DecodeInputs:
+    """The inputs of the loop that continues the loop `inputs` ran and `result` reports: each live
+    row's last sampled token, its positions and remaining budget advanced by the iterations run.
+    control: [B + 1] int32, a keep flag per row (0: finished on the host) then the iterations
+    wanted (-1: inputs.num_steps). A fresh launch passes `fresh_result` (nothing ran) and all
+    keep flags with -1, which leave its inputs as they are."""
+    keep, num_steps = control[:-1] != 0, control[-1]
+    ran = result.num_done
+    last = result.token_ids[jnp.maximum(ran - 1, 0)]
+    alive = (inputs.seq_ids >= 0) & (result.done_at < 0) & keep
+    return DecodeInputs(
+        token_ids=jnp.where(ran > 0, last, inputs.token_ids),
+        seq_ids=jnp.where(alive, inputs.seq_ids, -1),
+        sampling=dataclasses.replace(inputs.sampling, positions=inputs.sampling.positions + ran),
+        remaining=inputs.remaining - ran, stop_ids=inputs.stop_ids,
+        num_steps=jnp.where(num_steps >= 0, num_steps, inputs.num_steps))
+
+
+def fresh_result(max_steps: int, batch: int, num_logprobs: int) -> np.ndarray:
+    """The packed `DecodeResult` of a loop that ran nothing: continuing from it (`continue_inputs`)
+    leaves a freshly sent loop's inputs unchanged."""
+    buffer = np.zeros(sum(math.prod(shape) for shape, _ in
+                          result_layout(max_steps, batch, num_logprobs)[1]), np.int32)
+    result = unpack_host(buffer, result_layout(max_steps, batch, num_logprobs))
+    result.done_at[:] = -1
+    return buffer
+
+
+def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, control, *, layout,
+                     model_def, max_steps, max_model_len, num_logprobs, sampler, backend,
+                     interpret):
+    """Up to inputs.num_steps decode iterations for the whole batch in one device loop. The
+    inputs are `continue_inputs` of packed (`pack(DecodeInputs)`'s buffer), the packed result of
+    the loop that ran them (`fresh_result` for a loop the host just sent) and control, so a
+    chained loop continues from its predecessor on the device in the same dispatch. Returns the
+    new manager and cache, this loop's packed `DecodeResult` and its packed inputs (which the
+    next chained loop continues from).
 
     Each iteration appends every live row's newest token on the device block manager (a fresh
     block when a row crosses a block boundary, copy-on-write when its last block is shared), runs
@@ -224,9 +257,11 @@ def decode_loop_impl(param_leaves, manager, cache, packed, *, layout, model_def,
     `cond` copies a flag to the host and waits for the device, once per iteration; without them
     the dispatching thread enqueues the whole loop and returns (async scheduling overlaps it).
     """
-    inputs: DecodeInputs = unpack(packed, layout)
+    sent: DecodeInputs = unpack(packed, layout)
+    batch = sent.seq_ids.shape[0]
+    inputs = continue_inputs(sent, unpack(previous_result, result_layout(
+        max_steps, batch, num_logprobs)), control)
     model = model_def.merge(param_leaves)
-    batch = inputs.seq_ids.shape[0]
     ones = jnp.ones(batch, jnp.int32)
     wanted = jnp.minimum(inputs.num_steps, max_steps)
 
@@ -273,25 +308,9 @@ def decode_loop_impl(param_leaves, manager, cache, packed, *, layout, model_def,
                      & ~memory.can_append(manager, live_ids(active), ones))
     result = DecodeResult(*outputs, done_at=done_at, num_done=num_done,
                           out_of_blocks=out_of_blocks.astype(jnp.int32))
-    return manager, cache, pack_traced(result)
+    return manager, cache, pack_traced(result), pack_traced(inputs)
 
 
-def next_inputs_impl(packed, packed_result, control, *, layout, result_layout):
-    """The packed inputs of the loop that continues a loop's packed result: each live row's last
-    sampled token, its positions and remaining budget advanced by the iterations run. control:
-    [B + 1] int32, a keep flag per row (0: finished on the host) then the iterations wanted."""
-    inputs: DecodeInputs = unpack(packed, layout)
-    result: DecodeResult = unpack(packed_result, result_layout)
-    keep, num_steps = control[:-1] != 0, control[-1]
-    ran = result.num_done
-    last = result.token_ids[jnp.maximum(ran - 1, 0)]
-    alive = (inputs.seq_ids >= 0) & (result.done_at < 0) & keep
-    following = DecodeInputs(
-        token_ids=jnp.where(ran > 0, last, inputs.token_ids),
-        seq_ids=jnp.where(alive, inputs.seq_ids, -1),
-        sampling=dataclasses.replace(inputs.sampling, positions=inputs.sampling.positions + ran),
-        remaining=inputs.remaining - ran, stop_ids=inputs.stop_ids, num_steps=num_steps)
-    return pack_traced(following)
 
 
 # Module-level, so engines with the same model and shapes share compiled executables.
@@ -301,7 +320,6 @@ step_program = jax.jit(step_impl, donate_argnums=(1, 2), static_argnames=(
 decode_loop = jax.jit(decode_loop_impl, donate_argnums=(1, 2), static_argnames=(
     "layout", "model_def", "max_steps", "max_model_len", "num_logprobs", "sampler", "backend",
     "interpret"))
-next_inputs = jax.jit(next_inputs_impl, static_argnames=("layout", "result_layout"))
 free_program = jax.jit(memory.free_seqs, donate_argnums=0)
 fork_program = jax.jit(memory.fork_seqs, donate_argnums=0)
 retain_program = jax.jit(memory.retain_blocks, donate_argnums=0)

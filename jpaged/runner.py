@@ -20,7 +20,7 @@ import numpy as np
 
 from jpaged import kv_cache, memory, parallel
 from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
-                                decode_loop, fork_program, free_program, next_inputs, pack,
+                                decode_loop, fork_program, free_program, fresh_result, pack,
                                 pop_program, release_program, result_layout, retain_program,
                                 split_model, step_program, unpack_host)
 from jpaged.sampling import MAX_LOGPROBS, SAMPLER_MODES, SamplingTensors, sampler_mode
@@ -28,8 +28,8 @@ from jpaged.sampling import MAX_LOGPROBS, SAMPLER_MODES, SamplingTensors, sample
 
 @dataclasses.dataclass
 class LaunchedLoop:
-    """A dispatched decode loop: its packed device inputs and (not yet fetched) packed results
-    (a `DecodeResult` laid out by `result_layout`)."""
+    """A dispatched decode loop: the packed inputs it ran on the device and its (not yet fetched)
+    packed results (a `DecodeResult` laid out by `result_layout`)."""
     packed: jax.Array
     layout: tuple
     batch: int
@@ -100,6 +100,7 @@ class ModelRunner:
             sharding=parallel.cache_sharding(self.mesh))
         self.swap_store = None            # a SwapStore once swapping is enabled
         self.compiled_shapes: set = set()
+        self._fresh: dict = {}            # shape -> (fresh_result, control) on the device
         self.compile_seconds = 0.0
         self.num_padded_tokens = 0
         self.num_real_tokens = 0
@@ -225,7 +226,8 @@ class ModelRunner:
                       num_logprobs=MAX_LOGPROBS if num_logprobs else 0,
                       sampler=sampler_mode(sampling_rows))
         packed, layout = pack(inputs)
-        return self._launch(self._put(packed), layout, (batch, width), static, len(rows))
+        fresh = self._fresh_result_and_control(batch, static)
+        return self._launch(self._put(packed), *fresh, layout, (batch, width), static, len(rows))
 
     def continue_decode(self, previous: "LaunchedLoop", keep, num_steps: int) -> "LaunchedLoop":
         """Dispatch the next loop straight from the previous one's device results (its last
@@ -234,29 +236,39 @@ class ModelRunner:
         control = np.zeros(previous.batch[0] + 1, np.int32)  # keep flags, then num_steps
         control[:len(keep)] = keep
         control[-1] = num_steps
-        packed = self._timed(("next", *previous.batch), next_inputs, previous.packed,
-                             previous.result, self._put(control), layout=previous.layout,
-                             result_layout=previous.result_layout)
-        return self._launch(packed, previous.layout, previous.batch, previous.static,
-                            previous.num_rows)
+        return self._launch(previous.packed, previous.result, self._put(control),
+                            previous.layout, previous.batch, previous.static, previous.num_rows)
+
+    def _fresh_result_and_control(self, batch: int, static: dict):
+        """Device constants a freshly sent loop continues from (nothing ran, every row kept, its
+        own step count): made once per shape, so a launch still sends one buffer."""
+        key = (batch, static["max_steps"], static["num_logprobs"])
+        if key not in self._fresh:
+            control = np.ones(batch + 1, np.int32)
+            control[-1] = -1
+            self._fresh[key] = (self._put(fresh_result(static["max_steps"], batch,
+                                                        static["num_logprobs"])),
+                                self._put(control))
+        return self._fresh[key]
 
     def _put(self, host_array) -> jax.Array:
         """One host-to-device transfer (replicated over the mesh under tensor parallelism).
 
         Always committed to its device(s), as the programs' outputs are: jit keys its cache on
         commitment, so an uncommitted input would compile a program a second time when a later
-        call passes an output in its place (a chained loop's inputs come from `next_inputs`)."""
+        call passes an output in its place (a chained loop's inputs come from its predecessor)."""
         return jax.device_put(host_array, self.input_sharding
                               or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
-    def _launch(self, packed, layout, batch, static, num_rows) -> "LaunchedLoop":
+    def _launch(self, packed, previous_result, control, layout, batch, static,
+                num_rows) -> "LaunchedLoop":
         """batch: (rows, stop-id width) buckets of the loop's inputs."""
         key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
         start = time.perf_counter()
-        self.manager, self.cache, result = self._timed(
-            key, decode_loop, self.param_leaves, self.manager, self.cache, packed, layout=layout,
-            model_def=self.model_def, backend=self.attention_backend, interpret=self.interpret,
-            **static)
+        self.manager, self.cache, result, packed = self._timed(
+            key, decode_loop, self.param_leaves, self.manager, self.cache, packed,
+            previous_result, control, layout=layout, model_def=self.model_def,
+            backend=self.attention_backend, interpret=self.interpret, **static)
         # Start the copy to the host now, queued behind this loop. Requested only at fetch time,
         # after the next loop was dispatched, it waited for that loop too on the H200 (a 55 ms
         # program's result took 140 ms to fetch behind a second one, 54 ms copied early).

@@ -355,7 +355,8 @@ def test_decode_loop_has_no_data_dependent_control_flow(hf_checkpoints):
                                  model_def=runner.model_def, backend=runner.attention_backend,
                                  interpret=runner.interpret, **launched.static)
         counts[mode] = _primitives(jax.make_jaxpr(loop)(
-            runner.param_leaves, runner.manager, runner.cache, launched.packed).jaxpr)
+            runner.param_leaves, runner.manager, runner.cache, launched.packed, launched.result,
+            jax.numpy.ones(5, jax.numpy.int32)).jaxpr)
         assert counts[mode]["scan"] and not counts[mode]["while"] + counts[mode]["cond"], mode
     assert counts["random"]["sort"] < counts["sort"]["sort"]
 
