@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.timing import median_seconds  # noqa: E402
 from jpaged.sampling import SamplingParams, SamplingRow  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -50,7 +51,7 @@ def copy_bandwidth(num_bytes: int, repeats: int = 10) -> dict:
             def copy():
                 dst.copy_(src)
                 torch.cuda.synchronize()
-            rates["torch"] = 2 * num_bytes / _median_seconds(copy, repeats)
+            rates["torch"] = 2 * num_bytes / median_seconds(copy, repeats)
             del src, dst
             torch.cuda.empty_cache()
     rates["best"] = max(rates.values())
@@ -61,17 +62,7 @@ def _xla_pass_seconds(num_bytes, repeats):
     """Median seconds of x + 1 over a float32 array of num_bytes (freed on return)."""
     x = jax.jit(lambda: jax.lax.iota(jnp.float32, num_bytes // 4))()
     add_one = jax.jit(lambda a: a + 1.0)
-    return _median_seconds(lambda: jax.block_until_ready(add_one(x)), repeats)
-
-
-def _median_seconds(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return median_seconds(lambda: jax.block_until_ready(add_one(x)), repeats)
 
 
 def floor_bytes(config, *, batch: int, context_tokens: float, dtype) -> tuple[float, float]:
@@ -99,7 +90,7 @@ def matmul_rate(size: int = 8192, repeats: int = 10) -> float:
     """bf16 FLOP/s of one size^3 matrix product on random data (median of `repeats`)."""
     a, b = (jax.random.normal(jax.random.key(i), (size, size), jnp.bfloat16) for i in (0, 1))
     product = jax.jit(jnp.matmul)
-    return 2 * size ** 3 / _median_seconds(lambda: jax.block_until_ready(product(a, b)), repeats)
+    return 2 * size ** 3 / median_seconds(lambda: jax.block_until_ready(product(a, b)), repeats)
 
 
 def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 10) -> dict:

@@ -29,22 +29,12 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.timing import median_seconds  # noqa: E402
 from benchmarks.trace import make_trace  # noqa: E402
 from jpaged import LLMEngine, SamplingParams  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
 from jpaged.swap import scatter_program  # noqa: E402
-
-
-def timed(fn, repeats=5) -> float:
-    """Median seconds of fn() (which must block until its work is done), after one warm call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def pinned_ceiling(num_bytes: int) -> tuple[float, float]:
@@ -54,8 +44,8 @@ def pinned_ceiling(num_bytes: int) -> tuple[float, float]:
     on_device = jax.sharding.SingleDeviceSharding(device)
     x = jax.block_until_ready(jnp.ones(num_bytes // 2, jnp.bfloat16))
     host = jax.block_until_ready(jax.device_put(x, pinned))
-    out = timed(lambda: jax.block_until_ready(jax.device_put(x, pinned)))
-    back = timed(lambda: jax.block_until_ready(jax.device_put(host, on_device)))
+    out = median_seconds(lambda: jax.block_until_ready(jax.device_put(x, pinned)))
+    back = median_seconds(lambda: jax.block_until_ready(jax.device_put(host, on_device)))
     return num_bytes / out, num_bytes / back
 
 
@@ -74,7 +64,7 @@ def batched_swap(engine, blocks) -> tuple[float, float]:
         jax.block_until_ready(runner.cache)
         return time.perf_counter() - start
 
-    t_out = timed(out)
+    t_out = median_seconds(out)
     store.drop(0)
     back()
     t_in = float(np.median([back() for _ in range(5)]))
@@ -95,7 +85,7 @@ def block_by_block(engine, blocks) -> tuple[float, float]:
         return held
 
     held = out()
-    t_out = timed(out, repeats=3)
+    t_out = median_seconds(out, repeats=3)
 
     def back():
         for block, (k_blocks, v_blocks) in zip(blocks, held):
@@ -104,7 +94,7 @@ def block_by_block(engine, blocks) -> tuple[float, float]:
                                            v_dev)
         jax.block_until_ready(runner.cache)
 
-    return t_out, timed(back, repeats=3)
+    return t_out, median_seconds(back, repeats=3)
 
 
 def prefill_seconds(engine, length: int) -> float:
@@ -119,7 +109,7 @@ def prefill_seconds(engine, length: int) -> float:
         while engine.has_unfinished():
             engine.step()
 
-    return timed(run, repeats=3)
+    return median_seconds(run, repeats=3)
 
 
 def overload_run(model, mode, num_requests, args) -> dict:
