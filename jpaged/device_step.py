@@ -11,6 +11,7 @@ buffer (`pack`), sends it with one transfer, and the program unpacks it (`unpack
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -106,8 +107,10 @@ def unpack_host(buffer: np.ndarray, layout):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+@functools.cache
 def result_layout(max_steps: int, batch: int, num_logprobs: int):
-    """The packed layout of a decode loop's `DecodeResult`."""
+    """The packed layout of a decode loop's `DecodeResult` (built once per shape: every launch
+    asks for it)."""
     def zeros(shape, dtype=np.int32):
         return np.zeros(shape, dtype)
     return pack(DecodeResult(
