@@ -5,7 +5,8 @@ bfloat16) generates the 256-request ShareGPT-like trace (benchmarks/trace.py), E
 every request produces its drawn length. Reported:
   - output tokens/s and requests/s over the whole run, and excluding first-call compile time;
   - decode step time against its floor: (weight bytes + KV bytes read that step) over the copy
-    bandwidth measured in this run (a large bf16 array read and written once); with
+    bandwidth measured in this run (`roofline.copy_bandwidth`: the faster of an XLA pass over
+    a float32 array and, on a GPU with torch installed, torch's device copy); with
     --tensor-parallel-size N, one device's share (weights / N, its kv heads), so the gap to the
     floor includes the all-reduces;
   - host time per step (scheduling and output processing, outside the device step);
@@ -31,23 +32,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import roofline  # noqa: E402
 from benchmarks.trace import SHAREGPT, make_trace  # noqa: E402
 from jpaged import LLMEngine, SamplingParams, parallel  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.models import random_model  # noqa: E402
-
-
-def copy_bandwidth(num_bytes=4 << 30, repeats=10) -> float:
-    """Bytes read + written per second by an elementwise pass over a large array."""
-    x = jax.jit(lambda: jax.lax.iota(jnp.int32, num_bytes // 2).astype(jnp.bfloat16))()
-    step = jax.jit(lambda a: a + jnp.bfloat16(1))
-    jax.block_until_ready(step(x))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(step(x))
-        times.append(time.perf_counter() - start)
-    return 2 * x.size * 2 / float(np.median(times))
 
 
 def build_engine(args):
@@ -176,7 +165,8 @@ def main(argv=None):
                         help="compile every shape before the timed run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 256 << 20)
+    bandwidth = roofline.copy_bandwidth(
+        4 << 30 if jax.default_backend() == "gpu" else 256 << 20)["best"]
     engine, config = build_engine(args)
     trace = make_trace(args.num_requests, **SHAREGPT, seed=0)
     compile_before = engine.runner.compile_seconds
