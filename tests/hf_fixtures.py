@@ -110,6 +110,16 @@ def build_llama_bf16(out_dir: Path):
     _save(LlamaForCausalLM, config, out_dir, seed=7, dtype=torch.bfloat16)
 
 
+def build_llama_tp8(out_dir: Path):
+    """GQA with 8 query heads and 2 kv heads, every split axis divisible by 8: the smallest Llama
+    that tensor parallelism over 8 devices can split (each kv head repeated on 4 devices). Not in
+    BUILDERS: only tests/test_parallel.py uses it, so the model tests do not run it too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_attention_heads=8, num_key_value_heads=2, **_COMMON)
+    _save(LlamaForCausalLM, config, out_dir, seed=8)
+
+
 def write_tokenizer(out_dir: Path):
     """Train a byte-level BPE (VOCAB_SIZE tokens, <s>=0, </s>=1) and write tokenizer.json.
 

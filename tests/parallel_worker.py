@@ -8,6 +8,10 @@ python -m tests.parallel_worker tp CHECKPOINT       (4 devices)
     server app over two data-parallel replicas of TP=2, driven with concurrent requests (in the
     same process, so the first replica reuses the TP=2 programs); dummy weights on a mesh. With
     fewer devices (a GPU machine), the TP sizes that fit and replicas of half the devices.
+python -m tests.parallel_worker tp8 CHECKPOINT_8_HEADS CHECKPOINT_4_HEADS      (8 devices)
+    greedy tokens, shardings and kv-head copies at tensor_parallel_size 1 and 8 on a checkpoint
+    with 8 query heads and 2 kv heads (each kv head on 4 devices), and the error TP=8 raises for
+    a model with only 4 query heads.
 python -m tests.parallel_worker multihost CHECKPOINT PORT PROCESS_ID NUM_PROCESSES
     one process of a jax.distributed run on loopback: TP over every process's devices.
 Each mode prints one JSON line last.
@@ -72,7 +76,9 @@ def _describe(llm) -> dict:
     flat = {".".join(map(str, path)): var.get_value()
             for path, var in nnx.to_flat_state(runner.params)}
     k_pages = runner.cache.k_pages[0]
-    copies = np.asarray(jax.device_get(k_pages))
+    kv_heads = llm.engine.model_config.num_key_value_heads
+    # [K * copies, N, S, D] -> [K, copies, N, S, D]: each kv head's copies sit next to each other
+    copies = np.asarray(jax.device_get(k_pages)).reshape(kv_heads, -1, *k_pages.shape[1:])
     return {
         "params": {key: _spec(flat[name]) for name, key in PARAMETERS.items()},
         "param_devices": len(flat["lm_head.weight"].sharding.device_set),
@@ -82,9 +88,9 @@ def _describe(llm) -> dict:
         "manager_replicated": all(leaf.sharding.is_fully_replicated and
                                   len(leaf.sharding.device_set) == len(k_pages.sharding.device_set)
                                   for leaf in jax.tree_util.tree_leaves(runner.manager)),
-        # each kv head repeated on neighbouring devices holds the same keys
-        "kv_copies_equal": bool(np.array_equal(copies[0::2], copies[1::2]))
-        if k_pages.shape[0] > llm.engine.model_config.num_key_value_heads else None,
+        # each kv head repeated on neighbouring devices holds the same keys (and they were written)
+        "kv_copies_equal": bool((copies == copies[:, :1]).all() and copies.any())
+        if copies.shape[1] > 1 else None,
         "shard_maps": _count_shard_maps(runner),
         "num_layers": llm.engine.model_config.num_hidden_layers,
         "preemption_mode": llm.engine.config.preemption_mode,
@@ -106,6 +112,23 @@ def run_tp(checkpoint: str) -> dict:
             report[size] = dict(tokens=tokens, texts=texts, **_describe(llm))
     report["dp"] = run_dp(checkpoint, max(1, jax.device_count() // 2))
     report["dummy_same_on_mesh"] = _dummy_same_on_mesh(jax.device_count())
+    return report
+
+
+def run_tp8(checkpoint: str, checkpoint_4_heads: str) -> dict:
+    """TP=1 and TP=8 on the 8-head checkpoint; TP=8 on the 4-head one must refuse."""
+    from jpaged import LLM
+
+    report = {}
+    for size in (1, 8):
+        llm = LLM(checkpoint, tensor_parallel_size=size, **ENGINE_OPTIONS)
+        tokens, texts = _greedy(llm)
+        report[size] = dict(tokens=tokens, texts=texts, **_describe(llm))
+    try:
+        LLM(checkpoint_4_heads, tensor_parallel_size=8, **ENGINE_OPTIONS)
+        report["too_few_heads_error"] = None
+    except ValueError as error:
+        report["too_few_heads_error"] = str(error)
     return report
 
 
@@ -166,5 +189,5 @@ def run_dp(checkpoint: str, tensor_parallel_size: int) -> dict:
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    result = {"tp": run_tp, "multihost": run_multihost}[mode](*args)
+    result = {"tp": run_tp, "tp8": run_tp8, "multihost": run_multihost}[mode](*args)
     print(json.dumps(result), flush=True)

@@ -4,7 +4,8 @@ jpaged.data_parallel) on forced CPU devices.
 The checks that need several devices run in subprocesses (tests/parallel_worker.py) started with
 XLA_FLAGS=--xla_force_host_platform_device_count: this pytest worker's JAX backend started long
 ago with one device. The checkpoint is the GQA Llama of tests/hf_fixtures.py (4 query heads, 2 kv
-heads), so TP=4 repeats each kv head on two devices.
+heads), so TP=4 repeats each kv head on two devices; TP=8 runs on a second one with 8 query heads
+and 2 kv heads (each kv head on four devices), which every axis split over 8 devices divides.
 """
 
 import json
@@ -49,6 +50,16 @@ def report(hf_checkpoints) -> dict:
     return _result(_worker("tp", hf_checkpoints["llama_gqa"], devices=4))
 
 
+@pytest.fixture(scope="module")
+def report8(hf_checkpoints, tmp_path_factory) -> dict:
+    """The `tp8` worker's report on 8 devices: {"1": ..., "8": ..., "too_few_heads_error": ...}."""
+    from tests import hf_fixtures
+
+    checkpoint = tmp_path_factory.mktemp("llama_tp8")
+    hf_fixtures.build_llama_tp8(checkpoint)
+    return _result(_worker("tp8", str(checkpoint), hf_checkpoints["llama_gqa"], devices=8))
+
+
 # ---- tensor parallelism ------------------------------------------------------------------------
 def test_greedy_tokens_identical_at_tp_1_2_4(report):
     assert report["1"]["tokens"] and all(len(t) == 10 for t in report["1"]["tokens"])
@@ -89,6 +100,31 @@ def test_block_manager_replicated_and_kernels_per_shard(report):
     assert report["1"]["shard_maps"] == 0   # the single-device program has no shard_map
     assert report["2"]["shard_maps"] == report["4"]["shard_maps"] == 2 * layers  # write, attend
     assert report["2"]["preemption_mode"] == "recompute"
+
+
+def test_tp8_greedy_tokens_identical_to_tp1(report8):
+    one, eight = report8["1"], report8["8"]
+    assert one["tokens"] and all(len(t) == 10 for t in one["tokens"])
+    assert eight["tokens"] == one["tokens"] and eight["texts"] == one["texts"]
+
+
+def test_tp8_splits_weights_and_repeats_each_kv_head_on_four_devices(report8):
+    one, eight = report8["1"], report8["8"]
+    params, column, row = eight["params"], ["tp", None], [None, "tp"]
+    assert eight["param_devices"] == 8 and one["param_devices"] == 1
+    assert params["q"] == params["gate"] == params["up"] == params["lm_head"] == column
+    assert params["o"] == params["down"] == params["embed"] == row
+    assert params["k"] == params["v"] == params["norm"] == []   # 2 kv heads: whole on every device
+    assert one["cache_shape"][0] == 2 and eight["cache_shape"][0] == 8
+    assert eight["cache_spec"] == ["tp"] and eight["cache_shard_shape"][0] == 1
+    assert eight["cache_devices"] == 8 and eight["manager_replicated"]
+    assert eight["kv_copies_equal"] is True   # the model wrote all four copies of both heads
+    assert eight["shard_maps"] == 2 * eight["num_layers"]
+
+
+def test_tp8_refuses_a_model_with_four_query_heads(report8):
+    assert "tensor_parallel_size=8 must divide num_attention_heads=4" \
+        in report8["too_few_heads_error"]
 
 
 def test_param_spec_rules():
