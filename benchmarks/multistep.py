@@ -1,7 +1,8 @@
 """Host overhead of decoding: K decode iterations per device loop, K = 1..16, batch 1..256.
 
 For each model (random bfloat16 weights) and batch size, B requests with 16-token prompts decode
-128 tokens each (EOS ignored). Over the decode steps (the prefill step excluded) it reports:
+128 tokens each (EOS ignored), asking for their outputs only when finished (`--output-kind
+final_only`, as `LLM.generate` does; `cumulative` builds every request's output every step). Over the decode steps (the prefill step excluded) it reports:
   tokens/s, synchronous and with async scheduling (wall clock);
   GPU-busy tokens/s: the same tokens over the time the GPU was executing something (the union of
       kernel and copy intervals on its streams, from a `jax.profiler` trace of a third, identical
@@ -17,6 +18,7 @@ first. Usage: python benchmarks/multistep.py --models llama3.2-1b,llama3-8b --ou
 import argparse
 import dataclasses
 import datetime
+import functools
 import glob
 import platform
 import sys
@@ -31,7 +33,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jpaged import LLMEngine, SamplingParams  # noqa: E402
+from jpaged import LLMEngine, RequestOutputKind, SamplingParams  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
 
@@ -57,15 +59,18 @@ def gpu_busy_seconds(trace_dir: str) -> tuple[float, list[str]]:
     return busy * 1e-9, [line.name for line in lines]
 
 
-def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False, trace_dir=None):
+def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False, trace_dir=None,
+             output_kind=RequestOutputKind.FINAL_ONLY):
     engine.config = dataclasses.replace(engine.config, num_scheduler_steps=k,
                                         async_scheduling=async_scheduling)
     vocab = engine.model_config.vocab_size
     for index in range(batch):
         engine.add_request(f"b{batch}k{k}r{index}", prompt_token_ids=rng.integers(
             10, vocab, 16).tolist(), params=SamplingParams(
-            temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
+            temperature=0.0, max_tokens=decode_tokens, ignore_eos=True,
+            output_kind=output_kind))
     engine.step_log = []
+    shapes_before = len(engine.runner.compiled_shapes)
     engine.step()   # the prompts' prefill (all of them fit one step)
     assert not engine.step_log[0].is_decode and engine.step_log[0].num_seqs == batch
     if trace_dir:
@@ -79,18 +84,24 @@ def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False, trace
     decode = engine.step_log[1:]
     return dict(batch=batch, k=k, tokens=sum(r.num_generated for r in decode),
                 host=sum(r.host_seconds for r in decode), steps=len(decode),
-                compiled=any(r.compiled for r in decode), elapsed=elapsed)
+                compiled=len(engine.runner.compiled_shapes) > shapes_before, elapsed=elapsed)
 
 
-def measure(engine, batch, k, decode_tokens, rng) -> dict:
-    sync = run_once(engine, batch, k, decode_tokens, rng)
-    overlapped = run_once(engine, batch, k, decode_tokens, rng, async_scheduling=True)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        traced = run_once(engine, batch, k, decode_tokens, rng, async_scheduling=True,
-                          trace_dir=trace_dir)
-        busy, lines = gpu_busy_seconds(trace_dir)
+def measure(engine, batch, k, decode_tokens, rng, output_kind) -> dict:
+    run = functools.partial(run_once, engine, batch, k, decode_tokens, rng,
+                            output_kind=output_kind)
+    for _ in range(3):  # again if anything compiled (e.g. a block operation's new size)
+        sync = run()
+        overlapped = run(async_scheduling=True)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            traced = run(async_scheduling=True, trace_dir=trace_dir)
+            busy, lines = gpu_busy_seconds(trace_dir)
+        compiled = sync["compiled"] or overlapped["compiled"] or traced["compiled"]
+        if not compiled:
+            break
     assert traced["tokens"] == sync["tokens"] == overlapped["tokens"]
-    return sync | dict(async_elapsed=overlapped["elapsed"], busy=busy, lines=lines)
+    return sync | dict(async_elapsed=overlapped["elapsed"], busy=busy, lines=lines,
+                       compiled=compiled)
 
 
 def main(argv=None):
@@ -99,6 +110,9 @@ def main(argv=None):
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--ks", default="1,2,4,8,16")
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--output-kind", default="final_only",
+                        choices=[kind.name.lower() for kind in RequestOutputKind],
+                        help="what engine.step returns per request (LLM.generate: final_only)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
@@ -109,9 +123,12 @@ def main(argv=None):
     lines = [f"device: {getattr(device, 'device_kind', device.platform)}, date "
              f"{datetime.date.today()}, jax {jax.__version__}, python {platform.python_version()}",
              f"command: python benchmarks/multistep.py --models {args.models} --batches "
-             f"{args.batches} --ks {args.ks} --decode-tokens {args.decode_tokens}",
-             "16-token prompts, greedy, EOS ignored; a row marked * includes a compile "
-             "(first use of that batch bucket) and is not comparable", "",
+             f"{args.batches} --ks {args.ks} --decode-tokens {args.decode_tokens} "
+             f"--output-kind {args.output_kind}",
+             "16-token prompts, greedy, EOS ignored, outputs built as --output-kind asks; "
+             "a row whose runs compiled anything (a loop, a block operation's new size) is "
+             "measured again, up to 3 times; one marked * still included a compile and is "
+             "not comparable", "",
              "GPU-busy: the union of the GPU's kernel and copy intervals during a traced, "
              "otherwise identical async run; wall / busy = 1 means the GPU never waited.", "",
              "| model | batch | K | steps | tokens/s | async tokens/s | GPU-busy tokens/s | "
@@ -129,7 +146,8 @@ def main(argv=None):
                 run_once(engine, batch, k, 8, rng)
                 run_once(engine, batch, k, 8, rng, async_scheduling=True)
             for k in ks:
-                r = measure(engine, batch, k, args.decode_tokens, rng) | dict(model=name)
+                r = measure(engine, batch, k, args.decode_tokens, rng,
+                            RequestOutputKind[args.output_kind.upper()]) | dict(model=name)
                 results.append(r)
                 mark = "*" if r["compiled"] else ""
                 lines.append(

@@ -4,8 +4,8 @@ from jpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSeq
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
 from jpaged.request import CompletionOutput, RequestOutput
-from jpaged.sampling import SamplingParams
+from jpaged.sampling import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind",
+           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

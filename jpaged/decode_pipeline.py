@@ -1,13 +1,17 @@
 """Pipelined decode loops (async scheduling): while the host processes one loop's tokens, the
-next loop already runs on the device, started from the previous loop's device-side results.
+next loops already run on the device, each started from its predecessor's device-side results.
+Up to `depth` loops stay in flight behind the one being processed, so a slow host step (a
+dispatch, a burst of output processing) leaves the device with queued work instead of idle.
 
 Ordering is what keeps the host mirror exact. Device operations run in dispatch order, so a free
-dispatched while loop Y is in flight lands after Y; the mirror therefore applies such frees only
-after replaying Y (`deferred`). A sequence finished on the host (a stop string, an abort) while
-it is still live in the in-flight loop is dropped from the loop after that one (`keep`), and its
-tokens from the in-flight loop are discarded.
+(or a cached block's release) dispatched while loops are in flight lands after the newest of
+them; the mirror therefore applies it only after replaying that loop (its `frees`, `releases`).
+A sequence finished on the host (a stop string, an abort) while it is still live in loops in
+flight is dropped from the next loop dispatched (`keep`), and its tokens from the loops already
+in flight are discarded.
 """
 
+import collections
 import dataclasses
 
 from jpaged.request import Samples, Sequence
@@ -23,17 +27,43 @@ class InFlight:
     active: list[bool] | None   # rows live when the loop started; known once its parent is fetched
     first_planned: bool         # schedule() already put iteration 0's appends in the mirror
     keep: list[bool]
+    frees: list[Sequence] = dataclasses.field(default_factory=list)   # dispatched after this
+    releases: list[int] = dataclasses.field(default_factory=list)     # loop: mirror after replay
 
 
 class DecodePipeline:
-    """At most one decode loop in flight, owned by the engine."""
+    """Decode loops in flight, oldest first, owned by the engine."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.in_flight: InFlight | None = None
-        self.deferred: list[Sequence] = []   # frees dispatched after the in-flight loop
-        self.deferred_releases: list[int] = []  # cached blocks evicted after it, likewise
+        self.loops: collections.deque[InFlight] = collections.deque()
         self.ran_dry = False                 # the last fetched loop stopped for lack of blocks
+
+    @property
+    def depth(self) -> int:
+        """Loops kept in flight while the host processes one (the engine's `async_depth`)."""
+        return self.engine.config.async_depth
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The oldest loop in flight (the next to be fetched), or None."""
+        return self.loops[0] if self.loops else None
+
+    @property
+    def newest(self) -> InFlight:
+        return self.loops[-1]
+
+    def defer_frees(self, sequences: list[Sequence]):
+        """Frees dispatched now: the mirror applies them after replaying the newest loop."""
+        self.newest.frees.extend(sequences)
+
+    def defer_releases(self, blocks: list[int]):
+        """Cached blocks released on the device now: likewise."""
+        self.newest.releases.extend(blocks)
+
+    def tokens_behind(self) -> int:
+        """Tokens per live row that loops in flight may append and the mirror has not seen."""
+        return sum(loop.launched.static["max_steps"] - loop.first_planned for loop in self.loops)
 
     def launch(self, rows: list[ScheduledRow], num_steps: int):
         """Dispatch a loop of num_steps iterations (its static trip count) for freshly scheduled
@@ -47,29 +77,30 @@ class DecodePipeline:
             [engine.stop_ids(row.request.params) for row in rows],
             num_steps, num_steps, engine.config.max_model_len,
             max(row.request.params.logprobs or 0 for row in rows))
-        self.in_flight = InFlight(rows, launched, [True] * len(rows), True, [True] * len(rows))
+        self.loops.append(InFlight(rows, launched, [True] * len(rows), True, [True] * len(rows)))
 
     def advance(self, chain: bool):
-        """Optionally dispatch the continuation, then fetch and replay the in-flight loop.
+        """Optionally dispatch continuations until `depth` loops will be left in flight, then
+        fetch and replay the oldest loop.
 
         Returns ([(row, sample_index, samples)], sequences the device retired in the loop).
         """
-        engine, current = self.engine, self.in_flight
-        following = None
-        if chain:
-            keep = [not row.seq.is_finished for row in current.rows]
-            following = InFlight(current.rows, engine.runner.continue_decode(
-                current.launched, keep, current.launched.static["max_steps"]), None, False, keep)
+        engine = self.engine
+        while chain and len(self.loops) <= self.depth:
+            newest = self.newest
+            keep = [not row.seq.is_finished for row in newest.rows]
+            self.loops.append(InFlight(newest.rows, engine.runner.continue_decode(
+                newest.launched, keep, newest.launched.static["max_steps"]), None, False, keep))
+        current = self.loops.popleft()
         result = engine.runner.fetch_decode(current.launched, len(current.rows))
-        done_at = [int(d) for d in result.done_at]
+        done_at = result.done_at.tolist()
         num_done = int(result.num_done)
         self.ran_dry = bool(result.out_of_blocks)
         engine.num_loops_out_of_blocks += self.ran_dry
         engine.scheduler.replay_decode_loop(current.rows, current.active, done_at, num_done,
                                             current.first_planned)
-        engine.scheduler.release_in_mirror(self.deferred)
-        engine.scheduler.ledger.release_in_mirror(self.deferred_releases)
-        self.deferred, self.deferred_releases = [], []
+        engine.scheduler.release_in_mirror(current.frees)
+        engine.scheduler.ledger.release_in_mirror(current.releases)
         token_ids, logprobs = result.token_ids.T.tolist(), result.logprobs.T.tolist()
         top_ids, top_logprobs = result.top_ids.swapaxes(0, 1), result.top_logprobs.swapaxes(0, 1)
         results, device_freed = [], []
@@ -85,27 +116,24 @@ class DecodePipeline:
                 top_logprobs[b, :count])))
             if done_at[b] >= 0:
                 device_freed.append(row.seq)
-        if following is not None:
+        if self.loops:  # the next loop's live rows: this one's, less retired or dropped rows
+            following = self.loops[0]
             following.active = [a and d < 0 and k for a, d, k in
                                 zip(current.active, done_at, following.keep)]
-        self.in_flight = following
         return results, device_freed
 
     def live_sequences(self) -> list[Sequence]:
-        """Sequences the in-flight loop decodes and the next loop would continue."""
-        return [row.seq for row, keep in zip(self.in_flight.rows, self.in_flight.keep)
+        """Sequences the newest loop decodes and the next loop would continue."""
+        return [row.seq for row, keep in zip(self.newest.rows, self.newest.keep)
                 if keep and not row.seq.is_finished]
 
     def covers(self, sequences) -> bool:
-        """Does the in-flight loop decode every one of these sequences (so chaining it starves
-        none of them)?"""
-        live = {id(row.seq) for row, keep in zip(self.in_flight.rows, self.in_flight.keep)
-                if keep}
+        """Does the newest loop decode every one of these sequences (so chaining it starves none
+        of them)?"""
+        live = {id(row.seq) for row, keep in zip(self.newest.rows, self.newest.keep) if keep}
         return all(id(seq) in live for seq in sequences)
 
     def holds(self, seq: Sequence) -> bool:
-        """Is seq live in the loop now in flight (so its free must wait for that loop)?"""
-        if self.in_flight is None:
-            return False
-        return any(row.seq is seq and keep for row, keep in
-                   zip(self.in_flight.rows, self.in_flight.keep))
+        """Is seq live in a loop now in flight (so its free must wait for those loops)?"""
+        return any(row.seq is seq and keep for loop in self.loops
+                   for row, keep in zip(loop.rows, loop.keep))

@@ -21,7 +21,8 @@ from jpaged.detokenizer import IncrementalDetokenizer
 from jpaged.engine_config import EngineConfig, build_engine_config, resolve_engine_config
 from jpaged.request import CompletionOutput, Request, RequestOutput, Samples, Sequence
 from jpaged.runner import ModelRunner
-from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow, request_seed
+from jpaged.sampling import (MAX_LOGPROBS, RequestOutputKind, SamplingParams, SamplingRow,
+                             request_seed)
 from jpaged.prefix_cache import PrefixCache
 from jpaged.scheduler import Scheduler
 from jpaged.swap import SwapStore, transfer_rate_probe
@@ -203,10 +204,11 @@ class LLMEngine:
         return True
 
     def _defer_free(self, sequences: list[Sequence]):
-        """Free sequences still live in the in-flight loop: on the device after that loop (it is
-        dispatched now), in the mirror after that loop's replay."""
-        self.scheduler.queue_device_free(sequences)
-        self.pipeline.deferred.extend(sequences)
+        """Free sequences still live in loops in flight: on the device after the newest of them
+        (it is dispatched now), in the mirror after that loop's replay."""
+        if sequences:
+            self.scheduler.queue_device_free(sequences)
+            self.pipeline.defer_frees(sequences)
 
     def _flush_block_ops(self):
         """Replay the scheduler's queued frees and forks on the device block manager."""
@@ -286,19 +288,34 @@ class LLMEngine:
         return (self.config.async_scheduling and not self.scheduler.waiting
                 and not self.scheduler.swapped and bool(running)
                 and not self.pipeline.ran_dry
-                and self.pipeline.covers(s for r in running for s in r.live_sequences))
+                and self.pipeline.covers(s for r in running for s in r.live_sequences)
+                and self._budget_beyond_loops())
+
+    def _budget_beyond_loops(self) -> bool:
+        """Could some row still generate after the loops in flight? A loop has a fixed trip count,
+        so one chained after every row has used up its max_tokens (or max_model_len) would run
+        the whole model for nothing: at the end of a batch of equal lengths, depth loops of K
+        iterations each."""
+        in_flight = sum(loop.launched.static["max_steps"] for loop in self.pipeline.loops)
+        max_model_len = self.config.max_model_len
+        return any(min(row.request.params.max_tokens - (len(row.seq.token_ids)
+                                                        - row.seq.num_prompt_tokens),
+                       max_model_len - len(row.seq.token_ids)) > in_flight
+                   for row, keep in zip(self.pipeline.newest.rows, self.pipeline.newest.keep)
+                   if keep and not row.seq.is_finished)
 
     def _room_to_chain(self) -> bool:
-        """Can the free stack serve the in-flight loop and the next one, evicting cached blocks
-        if needed? A loop allocates only from the free stack, so without this a pool full of
-        evictable prefix-cache blocks would stop every chained loop early."""
-        in_flight = self.pipeline.in_flight
-        steps = in_flight.launched.static["max_steps"]
-        released = self.scheduler.room_behind_loop(self.pipeline.live_sequences(),
-                                                   2 * steps - in_flight.first_planned)
+        """Can the free stack serve the loops in flight and the ones this step would add,
+        evicting cached blocks if needed? A loop allocates only from the free stack, so without
+        this a pool full of evictable prefix-cache blocks would stop every chained loop early."""
+        pipeline = self.pipeline
+        new_loops = pipeline.depth + 1 - len(pipeline.loops)
+        released = self.scheduler.room_behind_loop(
+            pipeline.live_sequences(),
+            pipeline.tokens_behind() + new_loops * pipeline.newest.launched.static["max_steps"])
         if released is None:
             return False
-        self.pipeline.deferred_releases += released
+        pipeline.defer_releases(released)
         return True
 
     def _run_step(self, schedule):
@@ -358,10 +375,12 @@ class LLMEngine:
         self.scheduler.release_slots(device_freed)
         outputs = []
         for request in touched.values():
-            if request.is_finished:
+            is_finished = request.is_finished
+            if is_finished:
                 self.scheduler.retire(request)
                 self._requests.pop(request.request_id, None)
-            outputs.append(self._output(request))
+            if is_finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(request))
         return outputs
 
     def _new_child(self, request: Request, parent: Sequence, sample_index: int) -> Sequence:
@@ -383,7 +402,10 @@ class LLMEngine:
         end = next((i + 1 for i, token in enumerate(tokens[:room]) if token in stop_ids),
                    min(room, len(tokens)))
         consumed = seq.detokenizer.num_tokens
-        _, hit_stop_string = seq.detokenizer.append(tokens[:end])
+        delta, hit_stop_string = seq.detokenizer.append(tokens[:end])
+        is_delta = params.output_kind == RequestOutputKind.DELTA
+        if is_delta:
+            seq.unsent_text += delta
         if hit_stop_string:
             end = seq.detokenizer.num_tokens - consumed
         taken = tokens[:end]
@@ -401,16 +423,28 @@ class LLMEngine:
         elif end == room:
             seq.finish_reason = "length"
         if seq.is_finished and not hit_stop_string:
-            seq.detokenizer.flush()
+            rest = seq.detokenizer.flush()
+            if is_delta:
+                seq.unsent_text += rest
 
     def _output(self, request: Request) -> RequestOutput:
+        """The request's output of this step, as its params' output_kind asks: everything so
+        far, or (DELTA) the tokens, logprobs and text new since its previous output."""
         want_logprobs = request.params.logprobs is not None
-        completions = [CompletionOutput(
-            index=seq.index, text=seq.detokenizer.text,
-            token_ids=seq.token_ids[seq.num_prompt_tokens:],
-            cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
-            logprobs=list(seq.logprobs) if want_logprobs else None,
-            finish_reason=seq.finish_reason) for seq in request.sequences]
+        is_delta = request.params.output_kind == RequestOutputKind.DELTA
+        completions = []
+        for seq in request.sequences:
+            if is_delta:
+                start, text = seq.num_prompt_tokens + seq.num_sent, seq.unsent_text
+                logprobs = seq.logprobs[seq.num_sent:] if want_logprobs else None
+                seq.num_sent, seq.unsent_text = len(seq.token_ids) - seq.num_prompt_tokens, ""
+            else:
+                start, text = seq.num_prompt_tokens, seq.detokenizer.text
+                logprobs = list(seq.logprobs) if want_logprobs else None
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.token_ids[start:],
+                cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+                logprobs=logprobs, finish_reason=seq.finish_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.is_finished, request.num_preemptions,
                              request.num_recomputed_tokens, request.num_cached_tokens)

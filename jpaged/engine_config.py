@@ -29,7 +29,8 @@ class EngineConfig:
     attention_backend: str = "reference"
     interpret: bool = False
     num_scheduler_steps: int = 1
-    async_scheduling: bool = False     # overlap host processing with the next decode loop
+    async_scheduling: bool = False     # overlap host processing with the next decode loops
+    async_depth: int = 2               # with it, decode loops kept in flight behind the host
     warmup: bool = False               # compile every bucket shape at start-up
     strict_compilation: bool = False   # after warm-up, a new shape is an error
     compilation_cache_dir: str | None = None
@@ -40,7 +41,8 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len",
-                     "max_num_batched_tokens", "num_scheduler_steps", "tensor_parallel_size"):
+                     "max_num_batched_tokens", "num_scheduler_steps", "tensor_parallel_size",
+                     "async_depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -104,8 +106,8 @@ def resolve_engine_config(model=None, *, dtype="auto", load_format="auto",
 def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9,
                         max_num_seqs=256, max_model_len=None, max_num_batched_tokens=None, seed=0,
                         attention_backend="auto", kv_cache_dtype="auto",
-                        num_scheduler_steps=1, async_scheduling=False, warmup=None,
-                        strict_compilation=False, compilation_cache_dir=None,
+                        num_scheduler_steps=1, async_scheduling=False, async_depth=2,
+                        warmup=None, strict_compilation=False, compilation_cache_dir=None,
                         enable_prefix_caching=True, preemption_mode="auto",
                         swap_space=4.0, tensor_parallel_size=1) -> EngineConfig:
     """Engine settings for a model already in memory (its weights count against the budget).
@@ -150,7 +152,8 @@ def build_engine_config(model, *, block_size=16, num_kv_blocks=None, gpu_memory_
                         max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                         kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret,
                         num_scheduler_steps=num_scheduler_steps,
-                        async_scheduling=async_scheduling, warmup=warmup,
+                        async_scheduling=async_scheduling, async_depth=async_depth,
+                        warmup=warmup,
                         strict_compilation=strict_compilation,
                         compilation_cache_dir=compilation_cache_dir,
                         enable_prefix_caching=enable_prefix_caching,

@@ -1,5 +1,6 @@
 """`LLM`: the offline API, mirroring vLLM's (`LLM(model, ...)`, `generate`, `stats`)."""
 
+import dataclasses
 import itertools
 import time
 
@@ -8,7 +9,7 @@ from tqdm.auto import tqdm
 from jpaged.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jpaged.engine import LLMEngine
 from jpaged.request import RequestOutput
-from jpaged.sampling import SamplingParams
+from jpaged.sampling import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -17,9 +18,10 @@ class LLM:
     LLM(model=None, *, dtype="auto", block_size=16, num_kv_blocks=None,
         gpu_memory_utilization=0.9, max_num_seqs=256, max_model_len=None,
         max_num_batched_tokens=None, seed=0, attention_backend="auto", kv_cache_dtype="auto",
-        num_scheduler_steps=1, async_scheduling=False, warmup=None, strict_compilation=False,
-        compilation_cache_dir=None, enable_prefix_caching=True, preemption_mode="auto",
-        swap_space=4.0, load_format="auto", tensor_parallel_size=1, devices=None)
+        num_scheduler_steps=1, async_scheduling=False, async_depth=2, warmup=None,
+        strict_compilation=False, compilation_cache_dir=None, enable_prefix_caching=True,
+        preemption_mode="auto", swap_space=4.0, load_format="auto", tensor_parallel_size=1,
+        devices=None)
     `model` is a Hugging Face directory; None loads the built-in model. `num_kv_blocks` fixes the
     pool size exactly and overrides memory-based sizing. `tensor_parallel_size` splits the model
     and KV cache over that many devices (the first of jax.devices(), or `devices`; see
@@ -59,6 +61,8 @@ class LLM:
         request_ids = []
         for item, param in zip(inputs, params):
             request_id = f"gen-{next(self._ids)}"
+            # generate returns only finished outputs: no per-step output is built (vLLM does too)
+            param = dataclasses.replace(param, output_kind=RequestOutputKind.FINAL_ONLY)
             self.engine.add_request(request_id, params=param, **item)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)

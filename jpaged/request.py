@@ -32,6 +32,8 @@ class Sequence:
     stop_reason: object = None
     block_keys: list[int] = dataclasses.field(default_factory=list)  # prefix-cache keys (memo)
     num_indexed: int = 0             # leading full blocks already offered to the prefix cache
+    num_sent: int = 0                # output tokens (and logprobs) already in a DELTA output
+    unsent_text: str = ""            # streamed text not yet in a DELTA output
 
     @property
     def output_token_ids(self) -> list[int]:

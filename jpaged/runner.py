@@ -101,6 +101,7 @@ class ModelRunner:
         self.swap_store = None            # a SwapStore once swapping is enabled
         self.compiled_shapes: set = set()
         self._fresh: dict = {}            # shape -> (fresh_result, control) on the device
+        self._controls: dict = {}         # (batch, rows, num_steps) -> all-kept control vector
         self.compile_seconds = 0.0
         self.num_padded_tokens = 0
         self.num_real_tokens = 0
@@ -233,11 +234,26 @@ class ModelRunner:
         """Dispatch the next loop straight from the previous one's device results (its last
         tokens, its live rows), without waiting for them: rows finished on the device stay out,
         and so do rows whose `keep` [rows] flag is False (finished on the host)."""
-        control = np.zeros(previous.batch[0] + 1, np.int32)  # keep flags, then num_steps
+        return self._launch(previous.packed, previous.result,
+                            self._control(previous.batch[0], keep, num_steps), previous.layout,
+                            previous.batch, previous.static, previous.num_rows)
+
+    def _control(self, batch: int, keep, num_steps: int) -> jax.Array:
+        """A chained loop's control vector on the device: keep flags [batch], then num_steps.
+        The usual one (every row kept) is sent once per shape and reused: a transfer costs 0.16
+        ms of host time per loop on the H200, a tenth of a 1B-shaped model's step."""
+        key = (batch, len(keep), num_steps) if all(keep) else None
+        if key is not None and key in self._controls:
+            return self._controls[key]
+        control = np.zeros(batch + 1, np.int32)
         control[:len(keep)] = keep
         control[-1] = num_steps
-        return self._launch(previous.packed, previous.result, self._put(control),
-                            previous.layout, previous.batch, previous.static, previous.num_rows)
+        control = self._put(control)
+        if key is not None:
+            if len(self._controls) >= 1024:  # row counts x step counts: bounded, rarely reached
+                self._controls.clear()
+            self._controls[key] = control
+        return control
 
     def _fresh_result_and_control(self, batch: int, static: dict):
         """Device constants a freshly sent loop continues from (nothing ran, every row kept, its

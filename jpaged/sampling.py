@@ -14,6 +14,7 @@ min-p 0.27 / 0.93, top-p or top-k 1.1-1.3 / 3.7 (an int32 radix sort of every ro
 """
 
 import dataclasses
+import enum
 import functools
 import math
 import numbers
@@ -52,6 +53,29 @@ def _check_stop(stop) -> tuple[str, ...]:
     return tuple(strings)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What a request's outputs carry as it runs (vLLM's names). CUMULATIVE: every output holds
+    all tokens and text so far. DELTA: only what is new since the request's previous output.
+    FINAL_ONLY: one output, when the request finishes (`LLM.generate` asks for this: building a
+    cumulative output every step copies each sequence's tokens, which grows with its length)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+def _check_output_kind(kind) -> RequestOutputKind:
+    """A RequestOutputKind, or its name (any case) or value."""
+    try:
+        if isinstance(kind, str):
+            return RequestOutputKind[kind.upper()]
+        if not isinstance(kind, bool) and isinstance(kind, numbers.Integral):
+            return RequestOutputKind(kind)
+    except (KeyError, ValueError):
+        pass
+    raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                     f"got {kind!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request: vLLM's names and defaults, validated eagerly.
@@ -73,6 +97,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         fields = {
@@ -87,6 +112,7 @@ class SamplingParams:
             "stop_token_ids": self._checked_stop_token_ids(),
             "logprobs": (None if self.logprobs is None
                          else _check_int("logprobs", self.logprobs, minimum=0)),
+            "output_kind": _check_output_kind(self.output_kind),
         }
         if fields["temperature"] < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode steps run on the device per scheduler step (multi-step decoding)")
     add("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
         help="start the next decode loop while the host processes the last one's tokens")
+    add("--async-depth", type=int, default=2,
+        help="with --async-scheduling, decode loops kept in flight behind the host")
     add("--tensor-parallel-size", type=int, default=1,
         help="devices each engine splits the model and KV cache over (Megatron-style heads and "
              "MLP columns; see docs/parallelism.md)")
@@ -112,7 +114,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                 attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                 num_scheduler_steps=args.num_scheduler_steps,
-                async_scheduling=args.async_scheduling,
+                async_scheduling=args.async_scheduling, async_depth=args.async_depth,
                 compilation_cache_dir=args.compilation_cache_dir,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 enable_prefix_caching=args.enable_prefix_caching,

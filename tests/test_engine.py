@@ -6,7 +6,7 @@ import functools
 import numpy as np
 import pytest
 
-from jpaged import LLM, LLMEngine, SamplingParams
+from jpaged import LLM, LLMEngine, RequestOutputKind, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -190,6 +190,58 @@ def test_stop_string_truncates_text(hf_checkpoints):
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == free_text[:free_text.index(stop)]
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_output_kinds_deltas_add_up_to_the_cumulative_output(hf_checkpoints,
+                                                             num_scheduler_steps):
+    """The same requests (greedy with a stop string; n = 2 sampled to max_tokens; logprobs) as
+    CUMULATIVE, DELTA and FINAL_ONLY: the deltas concatenate to the cumulative output, and
+    FINAL_ONLY gives one output per request, the finished one."""
+    path = hf_checkpoints["llama_gqa"]
+    free = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=4).generate(
+        ["The quick brown"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    stop = free[5:7]
+    runs = {}
+    for kind in RequestOutputKind:
+        engine = engine_for(path, num_scheduler_steps=num_scheduler_steps)
+        for request_id, prompt, extra in (
+                ("a", "The quick brown", dict(temperature=0, stop=[stop])),
+                ("b", "Once upon", dict(temperature=0.8, n=2, seed=3))):
+            engine.add_request(request_id, prompt=prompt, params=SamplingParams(
+                max_tokens=16, ignore_eos=True, logprobs=2, output_kind=kind, **extra))
+        runs[kind] = []
+        while engine.has_unfinished():
+            runs[kind] += engine.step()
+    final = {out.request_id: out for out in runs[RequestOutputKind.CUMULATIVE] if out.finished}
+    assert final["a"].outputs[0].finish_reason == "stop"
+    assert final["a"].outputs[0].text == free[:free.index(stop)]
+    assert [c.finish_reason for c in final["b"].outputs] == ["length", "length"]
+    only = runs[RequestOutputKind.FINAL_ONLY]
+    assert sorted(out.request_id for out in only) == ["a", "b"]
+    assert all(out.finished for out in only)
+    for out in only:
+        assert out.outputs == final[out.request_id].outputs
+    deltas = runs[RequestOutputKind.DELTA]
+    assert len(deltas) > 2
+    for request_id, want in final.items():
+        mine = [out for out in deltas if out.request_id == request_id]
+        assert mine[-1].finished and not any(out.finished for out in mine[:-1])
+        for index, completion in enumerate(want.outputs):
+            parts = [c for out in mine for c in out.outputs if c.index == index]
+            assert "".join(c.text for c in parts) == completion.text
+            assert [t for c in parts for t in c.token_ids] == completion.token_ids
+            assert [p for c in parts for p in c.logprobs] == completion.logprobs
+            assert len(completion.token_ids) > 1
+
+
+def test_output_kind_is_validated():
+    assert SamplingParams(output_kind="delta").output_kind == RequestOutputKind.DELTA
+    assert SamplingParams(output_kind=2).output_kind == RequestOutputKind.FINAL_ONLY
+    for bad in ("sometimes", 7, True, None):
+        with pytest.raises(ValueError, match="output_kind"):
+            SamplingParams(output_kind=bad)
 
 
 def test_abort_frees_blocks_and_others_carry_on(hf_checkpoints):

@@ -253,11 +253,14 @@ def test_async_scheduling_gives_identical_outputs(hf_checkpoints):
     for k in (1, 4):
         assert generate(path, k, async_scheduling=True)[0] == baseline, k
     assert generate(path, 4, order=[2, 4, 0, 3, 1], async_scheduling=True)[0] == baseline
+    for depth in (1, 3):  # loops in flight behind the host (default 2)
+        assert generate(path, 2, async_scheduling=True, async_depth=depth)[0] == baseline, depth
 
 
-def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints):
-    """A stop string found on the host while the next loop already runs: that sequence's extra
-    tokens are dropped, its blocks are freed after the loop, and the mirror stays exact."""
+@pytest.mark.parametrize("depth", [1, 2])
+def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints, depth):
+    """A stop string found on the host while the next loops already run: that sequence's extra
+    tokens are dropped, its blocks are freed after those loops, and the mirror stays exact."""
     path = hf_checkpoints["llama_gqa"]
     sync = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
     text = sync.generate(["The quick"], SamplingParams(temperature=0, max_tokens=24,
@@ -267,16 +270,17 @@ def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
     expected = sync.generate(["The quick", "Hello, world"], params, use_tqdm=False)
-    eng = engine(path, 2, num_kv_blocks=64, async_scheduling=True)
+    eng = engine(path, 2, num_kv_blocks=64, async_scheduling=True, async_depth=depth)
     eng.add_request("stop", "The quick", params[0])
     eng.add_request("free", "Hello, world", params[1])
     eng.add_request("abort", "Hello, jpaged", params[1])
-    outputs, steps = {}, 0
+    outputs, steps, in_flight = {}, 0, set()
     while eng.has_unfinished():
         for output in eng.step():
             if output.finished:
                 outputs[output.request_id] = output
         steps += 1
+        in_flight.add(len(eng.pipeline.loops))
         if steps == 4:
             assert eng.pipeline.in_flight is not None  # the abort lands mid-pipeline
             assert eng.abort("abort")
@@ -286,7 +290,28 @@ def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints)
     assert outputs["stop"].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert outputs["free"].outputs[0].token_ids == expected[1].outputs[0].token_ids
     assert "abort" not in outputs
+    assert max(in_flight) == depth  # the pipeline really ran `depth` loops ahead
     assert eng.num_free_blocks == 63
+    assert_mirror_matches_device(eng)
+
+
+def test_no_loop_is_chained_past_every_rows_budget(hf_checkpoints, monkeypatch):
+    """Rows that end on max_tokens: exactly the loops their tokens need are dispatched (a loop
+    has a fixed trip count, so one more would run the model for nothing)."""
+    eng = engine(hf_checkpoints["llama_gqa"], 4, async_scheduling=True, async_depth=2)
+    calls = collections.Counter()
+    for name in ("launch_decode", "continue_decode"):
+        real = getattr(eng.runner, name)
+        monkeypatch.setattr(eng.runner, name, lambda *a, _real=real, _name=name, **kw: (
+            calls.update([_name]), _real(*a, **kw))[1])
+    for index, max_tokens in enumerate([13, 9, 13, 5]):
+        eng.add_request(str(index), prompt_token_ids=[5 + index, 6, 7],
+                        params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                              ignore_eos=True))
+    outputs = run_to_completion(eng)
+    assert [len(outputs[str(i)].outputs[0].token_ids) for i in range(4)] == [13, 9, 13, 5]
+    # the prefill samples token 1; 12 more at K = 4 are one launch and two continuations
+    assert calls == {"launch_decode": 1, "continue_decode": 2}, calls
     assert_mirror_matches_device(eng)
 
 
@@ -308,7 +333,8 @@ def test_pack_round_trips_every_leaf_dtype():
 @pytest.mark.parametrize("k,async_scheduling", [(1, False), (4, True)])
 def test_one_host_to_device_transfer_per_step(hf_checkpoints, monkeypatch, k, async_scheduling):
     """Once every request decodes, a step (a mixed step, a launched loop or a chained loop)
-    moves its inputs with exactly one device_put of one array."""
+    moves its inputs with at most one device_put of one array; a chained loop that keeps all its
+    rows reuses its control vector and sends nothing."""
     llm = LLM(hf_checkpoints["llama_gqa"], num_kv_blocks=96, max_model_len=128, max_num_seqs=8,
               max_num_batched_tokens=64, num_scheduler_steps=k, async_scheduling=async_scheduling)
     engine = llm.engine
@@ -322,10 +348,13 @@ def test_one_host_to_device_transfer_per_step(hf_checkpoints, monkeypatch, k, as
     real_put = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda x, *a, **kw: calls.append(
         len(jax.tree_util.tree_leaves(x))) or real_put(x, *a, **kw))
+    per_step = []
     for _ in range(3):
         calls.clear()
         engine.step()
-        assert calls == [1], calls
+        per_step.append(list(calls))
+    assert all(calls in ([], [1]) for calls in per_step), per_step
+    assert ([] in per_step) == async_scheduling, per_step
 
 
 def _primitives(jaxpr, counts=None):
