@@ -230,9 +230,10 @@ class _Driver:
 
     def _step(self):
         rows, sampled = self._plan()
-        ok, _, _ = self.engine.mirror.append([(slot, len(tokens)) for slot, tokens in rows])
+        ok, _, copies = self.engine.mirror.append([(slot, len(tokens)) for slot, tokens in rows])
         if not ok:
             raise RuntimeError("beam search ran out of KV blocks its reservation promised")
+        self.engine.scheduler.ledger.queue_copies(copies)
         self.engine._flush_block_ops()
         sampling_rows = [(row, SamplingRow(self.sampling, 0, 0, position))
                          for row, (_, position) in enumerate(sampled) if position is not None]

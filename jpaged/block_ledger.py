@@ -5,7 +5,9 @@ prefix cache's index and evictions; the host blocks that hold swapped-out KV.
 Identical operation sequences keep the mirror and the device block-for-block identical, so the
 runner replays `pending_ops` before the next step. Operation kinds: ("free", slots), ("fork",
 pairs), ("retain", blocks), ("release", blocks), ("pop", count), ("adopt", [(slot, blocks,
-length)]), ("swap_out", (handle, blocks)), ("swap_in", (handle, blocks)), ("swap_drop", handle).
+length)]), ("copy", [(src, dst)]: copy-on-write contents of the next step's appends, whose
+destinations the device allocates itself), ("swap_out", (handle, blocks)), ("swap_in", (handle,
+blocks)), ("swap_drop", handle).
 """
 
 import itertools
@@ -31,6 +33,13 @@ class BlockLedger:
 
     def queue(self, kind: str, items):
         self.pending_ops.append((kind, items))
+
+    def queue_copies(self, copies):
+        """Copy-on-write contents for an append the mirror just planned (its per-row (src, dst)
+        or None): the device allocates the same destinations in its append but copies nothing."""
+        planned = [copy for copy in copies if copy is not None]
+        if planned:
+            self.queue("copy", planned)
 
     @property
     def num_free(self) -> int:

@@ -93,6 +93,9 @@ class DecodePipeline:
                 newest.launched, keep, newest.launched.static["max_steps"]), None, False, keep))
         current = self.loops.popleft()
         result = engine.runner.fetch_decode(current.launched, len(current.rows))
+        if int(result.missed_copies):
+            raise RuntimeError("a decode loop met a shared partial block (copy-on-write is left "
+                               "to ordinary steps); the host mirror and the device diverged")
         done_at = result.done_at.tolist()
         num_done = int(result.num_done)
         self.ran_dry = bool(result.out_of_blocks)

@@ -20,7 +20,7 @@ import numpy as np
 
 from jpaged import kv_cache, memory, parallel
 from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
-                                decode_loop, fork_program, free_program, fresh_result, pack,
+                                copy_program, decode_loop, fork_program, free_program, fresh_result, pack,
                                 pop_program, release_program, result_layout, retain_program,
                                 split_model, step_program, unpack_host)
 from jpaged.sampling import MAX_LOGPROBS, SAMPLER_MODES, SamplingTensors, sampler_mode
@@ -57,8 +57,8 @@ def _padding_op(kind: str, size: int):
     """A block operation of `size` padded entries, which changes nothing (for warm-up)."""
     if kind == "pop":
         return ("pop", 0)
-    if kind == "fork":
-        return ("fork", [(-1, -1)] * size)
+    if kind in ("fork", "copy"):
+        return (kind, [(-1, -1)] * size)
     if kind == "adopt":
         return ("adopt", [(-1, [], 0)] * size)
     return (kind, [-1] * size)
@@ -131,6 +131,10 @@ class ModelRunner:
                     self._timed((kind, ids.shape[0]), program, self.manager, ids)
             elif kind == "pop":
                 self._timed(("pop",), pop_program, self.manager, np.int32(items))
+            elif kind == "copy":  # copy-on-write contents, (src, dst) pairs the mirror planned
+                pairs = _pad_rows(items, bucket(len(items), 4, row_cap), width=2)
+                self.cache = self._timed(("copy", pairs.shape[0]), copy_program, self.cache,
+                                         pairs)
             elif kind == "adopt":
                 self._adopt(items, row_cap)
             elif kind == "swap_out":
@@ -341,7 +345,7 @@ class ModelRunner:
             for tokens in self.bucket_sizes(min(128, self.max_num_batched_tokens),
                                             self.max_num_batched_tokens):
                 jobs.append(("step", tokens, logprobs))
-        for kind in ("free", "fork", "adopt"):
+        for kind in ("free", "fork", "adopt", "copy"):
             jobs += [(kind, size, 0) for size in self.bucket_sizes(4, max(4, self.max_num_seqs))]
         for kind in ("retain", "release"):
             jobs += [(kind, size, 0) for size in self.bucket_sizes(4, OP_CHUNK)]

@@ -337,8 +337,9 @@ class Scheduler:
                 break
             rows += new_rows
             budget -= sum(row.num_tokens for row in new_rows)
-        ok, _, _ = self.mirror.append([(row.seq.slot, row.num_tokens) for row in rows])
+        ok, _, copies = self.mirror.append([(row.seq.slot, row.num_tokens) for row in rows])
         assert ok, "scheduler admitted rows the block mirror cannot serve"
+        self.ledger.queue_copies(copies)
         for row in rows:
             row.seq.num_computed += row.num_tokens
         return SchedulerOutput(rows, preempted)

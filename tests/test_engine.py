@@ -111,6 +111,22 @@ def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(hf_checkpoints
     assert [c.token_ids for c in again.outputs] == samples
 
 
+@pytest.mark.parametrize("options", [dict(), dict(num_scheduler_steps=4, async_scheduling=True)])
+def test_forked_greedy_samples_read_the_copied_prompt_block(hf_checkpoints, options):
+    """n = 3 greedy samples of a prompt ending mid-block: each sample's first append copies the
+    shared partial block (the scheduler's "copy" operation; programs copy nothing), so every
+    sample must equal transformers' greedy continuation."""
+    path = hf_checkpoints["llama_gqa"]
+    prompt = prompts_of([21], seed=11)[0]   # 16 + 5: the last prompt block is partial
+    reference = hf_greedy(path, tuple(prompt), 10)
+    engine = engine_for(path, **options)
+    engine.add_request("n3", prompt_token_ids=prompt, params=SamplingParams(
+        n=3, temperature=0, max_tokens=10, ignore_eos=True))
+    out = run_to_completion(engine)["n3"]
+    assert [c.token_ids for c in out.outputs] == [reference] * 3
+    assert engine.num_free_blocks == 95
+
+
 def test_small_pool_preempts_and_gives_the_same_greedy_outputs(hf_checkpoints):
     path = hf_checkpoints["llama_gqa"]
     prompts = prompts_of([30, 25, 20, 35, 12, 28], seed=4)
