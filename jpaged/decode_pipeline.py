@@ -79,14 +79,14 @@ class DecodePipeline:
             max(row.request.params.logprobs or 0 for row in rows))
         self.loops.append(InFlight(rows, launched, [True] * len(rows), True, [True] * len(rows)))
 
-    def advance(self, chain: bool):
-        """Optionally dispatch continuations until `depth` loops will be left in flight, then
-        fetch and replay the oldest loop.
+    def advance(self, chain: int):
+        """Dispatch `chain` loops, each continuing the newest in flight, then fetch and replay the
+        oldest loop.
 
         Returns ([(row, sample_index, samples)], sequences the device retired in the loop).
         """
         engine = self.engine
-        while chain and len(self.loops) <= self.depth:
+        for _ in range(chain):
             newest = self.newest
             keep = [not row.seq.is_finished for row in newest.rows]
             self.loops.append(InFlight(newest.rows, engine.runner.continue_decode(
@@ -94,8 +94,8 @@ class DecodePipeline:
         current = self.loops.popleft()
         result = engine.runner.fetch_decode(current.launched, len(current.rows))
         if int(result.missed_copies):
-            raise RuntimeError("a decode loop met a shared partial block (copy-on-write is left "
-                               "to ordinary steps); the host mirror and the device diverged")
+            raise RuntimeError("a decode loop met a shared partial block its scheduler did not "
+                               "plan a copy for: the host mirror and the device diverged")
         done_at = result.done_at.tolist()
         num_done = int(result.num_done)
         self.ran_dry = bool(result.out_of_blocks)

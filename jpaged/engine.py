@@ -238,8 +238,10 @@ class LLMEngine:
         start = time.perf_counter()
         if self.pipeline.in_flight is not None:
             rows = self.pipeline.in_flight.rows
-            chain = self._can_chain() and self._room_to_chain()
-            self._flush_block_ops()  # evictions that made room land before the next loop
+            chain = self._loops_to_chain()
+            if chain and not self._room_to_chain(chain):
+                chain = 0
+            self._flush_block_ops()  # evictions that made room land before the next loops
             results, device_freed = self.pipeline.advance(chain=chain)
             is_decode, num_tokens = True, len(rows)
         else:
@@ -255,9 +257,9 @@ class LLMEngine:
             rows, is_decode, num_tokens = schedule.rows, schedule.is_decode, schedule.num_tokens
             if is_loop:
                 self.pipeline.launch(schedule.rows, self.config.num_scheduler_steps)
-                if self._can_chain():
+                if self._loops_to_chain():
                     return []  # this loop's tokens come back with the next step
-                results, device_freed = self.pipeline.advance(chain=False)
+                results, device_freed = self.pipeline.advance(chain=0)
             else:
                 results, device_freed = self._run_step(schedule), []
         device_seconds = self.runner.last_device_seconds
@@ -280,39 +282,38 @@ class LLMEngine:
         return all(row.num_tokens == 1 and row.sample_indices == (row.seq.index,)
                    for row in schedule.rows)
 
-    def _can_chain(self) -> bool:
-        """Continue the in-flight loop without scheduling? Only while nothing waits, the pool
-        did not run dry (preemption needs the scheduler), and the loop covers every running
-        sequence (a request left out by the token budget must not starve)."""
-        running = self.scheduler.running
-        return (self.config.async_scheduling and not self.scheduler.waiting
-                and not self.scheduler.swapped and bool(running)
-                and not self.pipeline.ran_dry
-                and self.pipeline.covers(s for r in running for s in r.live_sequences)
-                and self._budget_beyond_loops())
-
-    def _budget_beyond_loops(self) -> bool:
-        """Could some row still generate after the loops in flight? A loop has a fixed trip count,
-        so one chained after every row has used up its max_tokens (or max_model_len) would run
-        the whole model for nothing: at the end of a batch of equal lengths, depth loops of K
-        iterations each."""
-        in_flight = sum(loop.launched.static["max_steps"] for loop in self.pipeline.loops)
+    def _loops_to_chain(self) -> int:
+        """How many loops to dispatch now behind the ones in flight, continuing the newest: up to
+        `async_depth` left in flight once the oldest is fetched, none unless async scheduling is
+        on, nothing waits, the pool did not run dry (preemption needs the scheduler) and the
+        newest loop covers every running sequence (a request left out by the token budget must
+        not starve), and no more than the rows' budgets need. A loop has a fixed trip count, so
+        one chained after every row used up its max_tokens (or max_model_len) would run the whole
+        model for nothing: at the end of a batch of equal lengths, depth loops of K iterations."""
+        running, pipeline = self.scheduler.running, self.pipeline
+        if not (self.config.async_scheduling and not self.scheduler.waiting
+                and not self.scheduler.swapped and running and not pipeline.ran_dry
+                and pipeline.covers(s for r in running for s in r.live_sequences)):
+            return 0
+        in_flight = sum(loop.launched.static["max_steps"] for loop in pipeline.loops)
         max_model_len = self.config.max_model_len
-        return any(min(row.request.params.max_tokens - (len(row.seq.token_ids)
-                                                        - row.seq.num_prompt_tokens),
-                       max_model_len - len(row.seq.token_ids)) > in_flight
-                   for row, keep in zip(self.pipeline.newest.rows, self.pipeline.newest.keep)
-                   if keep and not row.seq.is_finished)
+        budget = max((min(row.request.params.max_tokens
+                          - (len(row.seq.token_ids) - row.seq.num_prompt_tokens),
+                          max_model_len - len(row.seq.token_ids))
+                      for row, keep in zip(pipeline.newest.rows, pipeline.newest.keep)
+                      if keep and not row.seq.is_finished), default=0)
+        steps = pipeline.newest.launched.static["max_steps"]
+        return max(0, min(pipeline.depth + 1 - len(pipeline.loops),
+                          -(-(budget - in_flight) // steps)))
 
-    def _room_to_chain(self) -> bool:
-        """Can the free stack serve the loops in flight and the ones this step would add,
-        evicting cached blocks if needed? A loop allocates only from the free stack, so without
-        this a pool full of evictable prefix-cache blocks would stop every chained loop early."""
+    def _room_to_chain(self, num_loops: int) -> bool:
+        """Can the free stack serve the loops in flight and num_loops more, evicting cached
+        blocks if needed? A loop allocates only from the free stack, so without this a pool full
+        of evictable prefix-cache blocks would stop every chained loop early."""
         pipeline = self.pipeline
-        new_loops = pipeline.depth + 1 - len(pipeline.loops)
         released = self.scheduler.room_behind_loop(
             pipeline.live_sequences(),
-            pipeline.tokens_behind() + new_loops * pipeline.newest.launched.static["max_steps"])
+            pipeline.tokens_behind() + num_loops * pipeline.newest.launched.static["max_steps"])
         if released is None:
             return False
         pipeline.defer_releases(released)

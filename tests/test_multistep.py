@@ -313,6 +313,11 @@ def test_no_loop_is_chained_past_every_rows_budget(hf_checkpoints, monkeypatch):
     # the prefill samples token 1; 12 more at K = 4 are one launch and two continuations
     assert calls == {"launch_decode": 1, "continue_decode": 2}, calls
     assert_mirror_matches_device(eng)
+    calls.clear()  # 8 tokens after the prefill: one continuation, though depth 2 allows two
+    eng.add_request("short", prompt_token_ids=[9, 6, 7], params=SamplingParams(
+        temperature=0, max_tokens=9, ignore_eos=True))
+    assert len(run_to_completion(eng)["short"].outputs[0].token_ids) == 9
+    assert calls == {"launch_decode": 1, "continue_decode": 1}, calls
 
 
 def test_pack_round_trips_every_leaf_dtype():
