@@ -22,7 +22,6 @@ Usage: python benchmarks/collective_share.py --model llama3-8b --tensor-parallel
 import argparse
 import dataclasses
 import datetime
-import glob
 import json
 import platform
 import re
@@ -37,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.multistep import gpu_busy_seconds  # noqa: E402
+from benchmarks.multistep import busy_seconds, gpu_stream_lines  # noqa: E402
 from jpaged import LLMEngine, SamplingParams, parallel  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.models import random_model  # noqa: E402
@@ -107,18 +106,15 @@ def kernel_kind(name: str) -> str | None:
 def kernel_seconds(trace_dir: str) -> dict | None:
     """Busy, all-reduce and collective seconds on the first GPU, and the collective kernels'
     names with their seconds; None when the trace has no GPU (a CPU run)."""
-    path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
-    planes = [p for p in jax.profiler.ProfileData.from_file(path).planes
-              if p.name.startswith("/device:GPU")]
-    if not planes:
+    lines = gpu_stream_lines(trace_dir)
+    if lines is None:
         return None
-    busy, _ = gpu_busy_seconds(trace_dir)
     by_name = Counter()
-    for line in min(planes, key=lambda p: p.name).lines:
-        if line.name.startswith("Stream"):
-            for event in line.events:
-                if kernel_kind(event.name):
-                    by_name[event.name] += event.duration_ns * 1e-9
+    for line in lines:
+        for event in line.events:
+            if kernel_kind(event.name):
+                by_name[event.name] += event.duration_ns * 1e-9
+    busy = busy_seconds(lines)
     all_reduce = sum(s for name, s in by_name.items() if kernel_kind(name) == "all_reduce")
     return dict(busy=busy, all_reduce=all_reduce, collectives=sum(by_name.values()),
                 kernels=dict(by_name.most_common(5)))

@@ -38,17 +38,21 @@ from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
 
 
-def gpu_busy_seconds(trace_dir: str) -> tuple[float, list[str]]:
-    """Seconds during which any stream of the first GPU ran a kernel or a copy, from the
-    trace's device plane (the union of its stream lines' event intervals; derived lines such as
-    "XLA Ops", which span whole programs, are left out). Also the lines used."""
+def gpu_stream_lines(trace_dir: str) -> list | None:
+    """The stream lines (kernels and copies) of the first GPU's plane in a `jax.profiler` trace,
+    or None when the trace has no GPU (a CPU run). Derived lines such as "XLA Ops", which span
+    whole programs, are left out."""
     path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
     data = jax.profiler.ProfileData.from_file(path)
     planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
     if not planes:
-        raise RuntimeError("the trace has no GPU plane")
-    lines = [line for line in min(planes, key=lambda p: p.name).lines
-             if line.name.startswith("Stream")]
+        return None
+    return [line for line in min(planes, key=lambda p: p.name).lines
+            if line.name.startswith("Stream")]
+
+
+def busy_seconds(lines) -> float:
+    """Seconds during which any of these lines ran an event (the union of their intervals)."""
     intervals = sorted((e.start_ns, e.end_ns) for line in lines for e in line.events)
     busy, end = 0, None
     for start, stop in intervals:
@@ -56,7 +60,16 @@ def gpu_busy_seconds(trace_dir: str) -> tuple[float, list[str]]:
             busy, end = busy + stop - start, stop
         elif stop > end:
             busy, end = busy + stop - end, stop
-    return busy * 1e-9, [line.name for line in lines]
+    return busy * 1e-9
+
+
+def gpu_busy_seconds(trace_dir: str) -> tuple[float, list[str]]:
+    """Seconds during which any stream of the first GPU ran a kernel or a copy, and the lines
+    used."""
+    lines = gpu_stream_lines(trace_dir)
+    if lines is None:
+        raise RuntimeError("the trace has no GPU plane")
+    return busy_seconds(lines), [line.name for line in lines]
 
 
 def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False, trace_dir=None,

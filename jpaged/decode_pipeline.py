@@ -61,9 +61,13 @@ class DecodePipeline:
         """Cached blocks released on the device now: likewise."""
         self.newest.releases.extend(blocks)
 
+    def steps_in_flight(self) -> int:
+        """Iterations the loops in flight run (tokens each live row may still get from them)."""
+        return sum(loop.launched.static["max_steps"] for loop in self.loops)
+
     def tokens_behind(self) -> int:
         """Tokens per live row that loops in flight may append and the mirror has not seen."""
-        return sum(loop.launched.static["max_steps"] - loop.first_planned for loop in self.loops)
+        return self.steps_in_flight() - sum(loop.first_planned for loop in self.loops)
 
     def launch(self, rows: list[ScheduledRow], num_steps: int):
         """Dispatch a loop of num_steps iterations (its static trip count) for freshly scheduled

@@ -295,7 +295,7 @@ class LLMEngine:
                 and not self.scheduler.swapped and running and not pipeline.ran_dry
                 and pipeline.covers(s for r in running for s in r.live_sequences)):
             return 0
-        in_flight = sum(loop.launched.static["max_steps"] for loop in pipeline.loops)
+        in_flight = pipeline.steps_in_flight()
         max_model_len = self.config.max_model_len
         budget = max((min(row.request.params.max_tokens
                           - (len(row.seq.token_ids) - row.seq.num_prompt_tokens),
