@@ -1,7 +1,8 @@
 """The torch peers of benchmarks/e2e.py: Hugging Face transformers with jpaged's own weights.
 
 - `build_hf_model`: transformers' LlamaForCausalLM from the same config JSON, every parameter
-  copied from the jpaged model (names and [out, in] layout are Hugging Face's), checked equal.
+  copied from the jpaged model (`checkpoint_tensors`: Hugging Face names and layout), checked
+  equal.
 - `run_static`: `generate` with a static (contiguous, maximum-length) cache, batches of B in
   trace order, prompts left-padded; a batch decodes until its longest output, so tokens past a
   request's own length are thrown away.
@@ -21,7 +22,8 @@ def build_hf_model(config_path, jax_model, *, device, dtype_name="bfloat16"):
     """transformers' model of config_path holding exactly jax_model's parameters."""
     import torch
     import transformers
-    from flax import nnx
+
+    from jpaged.models import checkpoint_tensors
 
     dtype = getattr(torch, dtype_name)
     raw = json.loads(Path(config_path).read_text())
@@ -31,9 +33,8 @@ def build_hf_model(config_path, jax_model, *, device, dtype_name="bfloat16"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     params = dict(model.named_parameters())
     copied = 0
-    for path, var in nnx.to_flat_state(nnx.state(jax_model, nnx.Param)):
-        name = ".".join(str(part) for part in path)
-        source = torch.from_dlpack(var[...])     # a view of the jax buffer, no copy
+    for name, array in checkpoint_tensors(jax_model).items():
+        source = torch.from_dlpack(array)     # a view of the jax buffer, no copy
         params[name].data.copy_(source)
         if not torch.equal(params[name].data, source.to(params[name].device)):
             raise ValueError(f"parameter {name} differs after the copy")

@@ -2,11 +2,13 @@
 
 "Decode step time" is the device time of one iteration of the engine's jitted decode program
 (the one-iteration decode loop a K=1 engine runs: model, sampling, on-device block allocation):
-`steps` loops are launched back to back without fetching their results (each launch builds and
-sends its packed inputs; the KV cache and block manager are donated from one loop to the next,
-so the loops run one after another on the device), and the wall time from the first launch to
-the last result is divided by `steps`. The host time of the launches is reported beside it:
-while it stays below the step time, the device, not the host, set the pace. Batches below the
+loops are launched back to back without fetching their results (each launch builds and sends
+its packed inputs; the KV cache and block manager are donated from one loop to the next, so the
+loops run one after another on the device). Runs of `steps` and 2 x `steps` loops are timed from
+the first launch to the last result, and the step is their difference over `steps`: the first
+launch, which the device waits for, and the last fetch cancel out (dividing one run by its
+length, as this file did before 2026-12-01, spreads the first launch's 2-3 ms of host time over
+the run's steps). The host time of a launch is reported beside it: while it stays below the step time, the device, not the host, set the pace. Batches below the
 engine's smallest bucket (4) run padded to it, as the engine runs them.
 
 The floor is the bytes the step must read over the copy bandwidth measured in the same run (the
@@ -93,23 +95,25 @@ def matmul_rate(size: int = 8192, repeats: int = 10) -> float:
     return 2 * size ** 3 / median_seconds(lambda: jax.block_until_ready(product(a, b)), repeats)
 
 
-def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 10) -> dict:
+def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 20) -> dict:
     """Device time of one decode iteration at `batch` sequences of (up to) max_context tokens,
     on an idle engine; the context shrinks so the batch fits the engine's pool.
 
     The program timed is the engine's decode loop with one iteration (what a K=1 engine runs
-    for a decode batch: model, sampling, on-device block allocation), launched `steps` times
-    without fetching results in between (`launch_decode`: the same packed inputs built and
-    sent each time, the KV cache and block manager donated from one loop to the next). The
-    sequences get blocks through the host mirror and the device operations the scheduler would
-    queue, and are freed afterwards (the mirror replays the loops' appends, so both stay in
-    step)."""
+    for a decode batch: model, sampling, on-device block allocation), launched back to back
+    without fetching results in between (`launch_decode`: the same packed inputs built and sent
+    each time, the KV cache and block manager donated from one loop to the next). Two runs, of
+    `steps` and of 2 x `steps` loops, each timed from its first launch to its last result; the
+    step is their difference over `steps`, so the fixed costs of a run (the first launch, which
+    the device waits for, and the last fetch) cancel. The sequences get blocks through the host
+    mirror and the device operations the scheduler would queue, and are freed afterwards (the
+    mirror replays the loops' appends, so both stay in step)."""
     runner, mirror = engine.runner, engine.mirror
     size, warm = mirror.block_size, 2
     if engine.has_unfinished():
         raise RuntimeError("time_decode_step needs an idle engine")
-    grow = warm + steps
-    blocks_each = (mirror.num_free // batch) - (-(-grow // size))
+    loops = warm + 3 * steps
+    blocks_each = (mirror.num_free // batch) - (-(-loops // size))
     context = min(max_context, blocks_each * size)
     if context < 1:
         raise ValueError(f"batch {batch} does not fit the pool of {mirror.num_blocks} blocks")
@@ -125,34 +129,41 @@ def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 10) -
                                     [1 << 20] * batch, [[]] * batch, 1, 1,
                                     engine.config.max_model_len, 0)
 
+    def run(count):
+        """(seconds from the first launch to the last result, launch seconds, the batch
+        bucket) of count loops."""
+        start = time.perf_counter()
+        for _ in range(count):
+            launched = launch()
+        dispatched = time.perf_counter() - start
+        jax.block_until_ready(launched.result)
+        seconds = time.perf_counter() - start
+        result = runner.fetch_decode(launched, batch)
+        if bool(result.out_of_blocks) or int(np.max(result.done_at)) >= 0:
+            raise RuntimeError("a timed decode loop ran out of blocks or stopped a sequence")
+        return seconds, dispatched, int(launched.batch[0])
+
     first_start = time.perf_counter()
     for _ in range(warm):
         runner.fetch_decode(launch(), batch)
     first_seconds = time.perf_counter() - first_start
-    start = time.perf_counter()
-    for _ in range(steps):
-        launched = launch()
-    dispatched = time.perf_counter() - start
-    jax.block_until_ready(launched.result)
-    seconds = (time.perf_counter() - start) / steps
-    result = runner.fetch_decode(launched, batch)
-    if bool(result.out_of_blocks) or int(np.max(result.done_at)) >= 0:
-        raise RuntimeError("a timed decode loop ran out of blocks or stopped a sequence")
-    for _ in range(warm + steps):
+    short, _, _ = run(steps)
+    long, dispatched, padded = run(2 * steps)
+    for _ in range(loops):
         assert mirror.append([(s, 1) for s in range(batch)])[0]
     mirror.free(list(range(batch)))
     runner.apply_ops([("free", list(range(batch)))])
     if int(runner.manager.num_free) != mirror.num_free:
         raise RuntimeError("device block manager and host mirror disagree after the roofline")
     # iteration j (0-based, the warm ones included) attends over context + j + 1 tokens
-    mean_context = float(np.mean([context + j + 1 for j in range(warm, warm + steps)]))
-    return dict(batch=batch, bucket=int(launched.batch[0]), context=context, seconds=seconds,
-                dispatch_seconds=dispatched / steps, context_tokens=batch * mean_context,
-                first_calls_seconds=first_seconds)
+    mean_context = float(np.mean([context + j + 1 for j in range(warm, loops)]))
+    return dict(batch=batch, bucket=padded, context=context,
+                seconds=(long - short) / steps, dispatch_seconds=dispatched / (2 * steps),
+                context_tokens=batch * mean_context, first_calls_seconds=first_seconds)
 
 
 def roofline(engine, config, bandwidth: float, *, flop_rate=None, batches=BATCHES,
-             max_context=1024, steps=10, dtype="bfloat16", log=print) -> list[dict]:
+             max_context=1024, steps=20, dtype="bfloat16", log=print) -> list[dict]:
     """Time each batch's decode step; its floor is bytes over `bandwidth`, and with `flop_rate`
     each row also carries the compute time of its FLOPs (`compute_floor`)."""
     rows = []
@@ -227,7 +238,7 @@ def main(argv=None):
     parser.add_argument("--max-context", type=int, default=1024)
     parser.add_argument("--num-kv-blocks", type=int, default=8193)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
@@ -237,9 +248,13 @@ def main(argv=None):
     engine = LLMEngine.from_model(model, None, max_num_seqs=max(args.batches),
                                   max_model_len=args.max_model_len,
                                   num_kv_blocks=args.num_kv_blocks, warmup=False)
-    rate = matmul_rate(8192 if jax.default_backend() == "gpu" else 512)
-    rows = roofline(engine, config, bandwidth["best"], flop_rate=rate, batches=args.batches,
+    rows = roofline(engine, config, bandwidth["best"], batches=args.batches,
                     max_context=args.max_context, steps=args.steps, dtype=args.dtype)
+    # measured after the steps: a minute of 8192^3 products just before them heats the GPU
+    rate = matmul_rate(8192 if jax.default_backend() == "gpu" else 512)
+    for row in rows:
+        row["compute_floor"] = step_flops(config, batch=row["batch"],
+                                          context_tokens=row["context_tokens"]) / rate
     header = (f"device: {jax.devices()[0].device_kind}, date {datetime.date.today()}, jax "
               f"{jax.__version__}, python {platform.python_version()}\ncommand: python "
               f"benchmarks/roofline.py {' '.join(sys.argv[1:])}\nmodel {args.model}, random "

@@ -327,13 +327,41 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
 
 
 
-# Module-level, so engines with the same model and shapes share compiled executables.
-# Donated: argument 1 (block-manager state) and 2 (KV cache) are updated in place.
-step_program = jax.jit(step_impl, donate_argnums=(1, 2), static_argnames=(
+# Which GEMMs the model's matmuls get, by the program's token count (decode: batch rows). XLA's
+# own Triton GEMMs win on skinny products, cuBLAS on wider ones. Decode step of the 8B shape on
+# the H200 (benchmarks/results/roofline_8b_h200.md), Triton / cuBLAS: 4.62 / 5.20 ms at batch 1,
+# 4.92 / 5.23 at 8, 5.26 / 5.49 at 16, 6.11 / 6.13 at 32, 7.60 / 7.27 at 64 (there Triton read
+# the packed q/k/v weight at 2.4 TB/s against cuBLAS's 3.0). GPU options; other backends ignore
+# them.
+TRITON_GEMM_MAX_TOKENS = 32
+
+
+def _programs(fn, static_argnames) -> dict:
+    """fn jitted twice, {True: with XLA's Triton GEMMs, False: cuBLAS only}. Module-level, so
+    engines with the same model and shapes share compiled executables. Donated: argument 1
+    (block-manager state) and 2 (KV cache) are updated in place."""
+    return {triton: jax.jit(fn, donate_argnums=(1, 2), static_argnames=static_argnames,
+                            compiler_options={"xla_gpu_enable_triton_gemm": triton})
+            for triton in (True, False)}
+
+
+_STEP_PROGRAMS = _programs(step_impl, (
     "layout", "model_def", "is_decode", "num_logprobs", "backend", "interpret"))
-decode_loop = jax.jit(decode_loop_impl, donate_argnums=(1, 2), static_argnames=(
+_DECODE_LOOPS = _programs(decode_loop_impl, (
     "layout", "model_def", "max_steps", "max_model_len", "num_logprobs", "sampler", "backend",
     "interpret"))
+
+
+def step_program(num_tokens: int):
+    """The jitted `step_impl` for a step of num_tokens (padded) tokens."""
+    return _STEP_PROGRAMS[num_tokens <= TRITON_GEMM_MAX_TOKENS]
+
+
+def decode_loop(batch: int):
+    """The jitted `decode_loop_impl` for a loop of batch (padded) rows."""
+    return _DECODE_LOOPS[batch <= TRITON_GEMM_MAX_TOKENS]
+
+
 free_program = jax.jit(memory.free_seqs, donate_argnums=0)
 copy_program = jax.jit(kv_cache.copy_blocks, donate_argnums=0)
 fork_program = jax.jit(memory.fork_seqs, donate_argnums=0)

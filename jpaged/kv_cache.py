@@ -72,6 +72,36 @@ def write_layer(cache: KVCache, layer: int, k_new, v_new, slot_mapping, *, backe
                       parallel.REPLICATED))
     k_layer, v_layer = write(cache.k_pages[layer], cache.v_pages[layer], k_new, v_new,
                              slot_mapping)
+    return _replace_layer(cache, layer, k_layer, v_layer)
+
+
+def rotate_and_write_layer(cache: KVCache, layer: int, qkv, cos, sin, slot_mapping, *,
+                          backend="reference", interpret=False, mesh=None):
+    """One layer's projected heads -> (rotated queries [T, H, D], cache with layer `layer`'s
+    rotated keys and values written at slot_mapping [T]).
+
+    qkv: [T, P, H/P + 2C/P, D], the packed projection with one block per tensor-parallel shard
+    (P = 1 without a mesh; C = the cache's kv heads); cos, sin [T, D] float32. One kernel per
+    device does the rotations and the write (`pallas_kernels.rotate_and_write`).
+    """
+    shards = parallel.mesh_size(mesh)
+    local_heads = qkv.shape[2] - 2 * cache.k_pages[layer].shape[0] // shards
+
+    def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slots):
+        return pallas_kernels.rotate_and_write(qkv[:, 0], cos, sin, k_pages, v_pages, slots,
+                                               num_heads=local_heads, backend=backend,
+                                               interpret=interpret)
+    if mesh is not None:
+        rotate_and_write = parallel.per_shard(
+            rotate_and_write, mesh, out_specs=(parallel.HEADS, parallel.PAGES, parallel.PAGES),
+            in_specs=(parallel.HEADS, parallel.REPLICATED, parallel.REPLICATED, parallel.PAGES,
+                      parallel.PAGES, parallel.REPLICATED))
+    q, k_layer, v_layer = rotate_and_write(qkv, cos, sin, cache.k_pages[layer],
+                                           cache.v_pages[layer], slot_mapping)
+    return q, _replace_layer(cache, layer, k_layer, v_layer)
+
+
+def _replace_layer(cache: KVCache, layer: int, k_layer, v_layer) -> KVCache:
     k_pages = cache.k_pages[:layer] + (k_layer,) + cache.k_pages[layer + 1:]
     v_pages = cache.v_pages[:layer] + (v_layer,) + cache.v_pages[layer + 1:]
     return KVCache(k_pages, v_pages)

@@ -2,8 +2,9 @@
 parameters and the KV cache, the per-shard wrapper the kernels run in, device groups for
 data-parallel replicas, and the multi-host start.
 
-One mesh axis, AXIS ("tp"). Parameters are split the Megatron way, by their Hugging Face names:
-q/k/v and gate/up are column-parallel (output features: whole attention heads, MLP columns), o and
+One mesh axis, AXIS ("tp"). Parameters are split the Megatron way, by their names: the packed
+qkv_proj and gate_up_proj are column-parallel (output features: whole attention heads, MLP
+columns, with rows ordered so each device's block is its own; see `jpaged.models.packing`), o and
 down are row-parallel (input features), so each decoder block ends in a partial sum that XLA
 all-reduces; no collective is written here. The embedding table is split along the hidden axis
 (a local lookup, then an all-gather of [T, E]) and the LM head along the vocabulary (logits
@@ -12,7 +13,8 @@ does not divide by the mesh size stays replicated.
 
 The KV cache [K, N, S, D] is split along K. With more devices than kv heads, the cache holds
 `num_cache_kv_heads` = mesh size heads, each kv head repeated on mesh_size / K devices next to the
-query heads that read it; k_proj and v_proj then stay replicated and the model writes every copy.
+query heads that read it; each device's block of qkv_proj then holds its kv head's rows, and the
+model writes every copy.
 The kernels see only their device's heads: `per_shard` runs them under shard_map. The block
 manager and the step inputs are replicated.
 
@@ -30,8 +32,8 @@ PAGES = PartitionSpec(AXIS)           # [K, N, S, D]: kv heads split
 REPLICATED = PartitionSpec()
 
 # Parameter name suffix -> which axis of it is split (Hugging Face [out, in] Linear layout).
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")   # axis 0 (out)
-_ROW = ("o_proj", "down_proj")                                              # axis 1 (in)
+_COLUMN = ("qkv_proj", "gate_up_proj", "lm_head")   # axis 0 (out)
+_ROW = ("o_proj", "down_proj")                     # axis 1 (in)
 
 
 def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh | None:
@@ -88,12 +90,12 @@ def num_cache_kv_heads(num_kv_heads: int, mesh: Mesh | None) -> int:
 
 
 def param_spec(name: str, shape, config, size: int) -> PartitionSpec:
-    """The partition spec of the parameter with this Hugging Face name and shape on `size`
-    devices."""
+    """The partition spec of the parameter with this name and shape on `size` devices."""
     module, _, kind = name.rpartition(".")
     layer = module.rpartition(".")[2]
-    kv_split = config.num_key_value_heads % size == 0
-    if layer in _COLUMN and (kv_split or layer not in ("k_proj", "v_proj")):
+    if layer == "gate_up_proj" and config.intermediate_size % size:
+        return REPLICATED  # its rows are not in per-device blocks (packing.gate_up_shards)
+    if layer in _COLUMN:
         spec = (AXIS,) if kind == "bias" else (AXIS, None)
     elif layer in _ROW and kind == "weight":
         spec = (None, AXIS)

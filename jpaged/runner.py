@@ -186,8 +186,9 @@ class ModelRunner:
                inputs.logits_indices.shape[0], is_decode, logprob_bucket)
         start = time.perf_counter()
         packed, layout = pack(inputs)
+        program = step_program(inputs.token_ids.shape[0])
         self.manager, self.cache, out, ok = self._timed(
-            key, step_program, self.param_leaves, self.manager, self.cache, self._put(packed),
+            key, program, self.param_leaves, self.manager, self.cache, self._put(packed),
             layout=layout, model_def=self.model_def, is_decode=is_decode,
             num_logprobs=logprob_bucket, backend=self.attention_backend,
             interpret=self.interpret)
@@ -286,7 +287,7 @@ class ModelRunner:
         key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
         start = time.perf_counter()
         self.manager, self.cache, result, packed = self._timed(
-            key, decode_loop, self.param_leaves, self.manager, self.cache, packed,
+            key, decode_loop(batch[0]), self.param_leaves, self.manager, self.cache, packed,
             previous_result, control, layout=layout, model_def=self.model_def,
             backend=self.attention_backend, interpret=self.interpret, **static)
         # Start the copy to the host now, queued behind this loop. Requested only at fetch time,

@@ -12,6 +12,7 @@ interpreter (CPU tests); the reference ignores it.
 from pallas_kernels import reference
 from pallas_kernels.gpu.decode import paged_attention_decode as paged_attention_decode_gpu
 from pallas_kernels.gpu.prefill import paged_attention_prefill as paged_attention_prefill_gpu
+from pallas_kernels.gpu.cache_write import rotate_and_write as rotate_and_write_gpu
 from pallas_kernels.gpu.cache_write import write_to_pages as write_to_pages_gpu
 from pallas_kernels.reference import check_page_layout, dense_causal_attention
 from pallas_kernels.tpu.decode import paged_attention_decode as paged_attention_decode_tpu
@@ -25,7 +26,7 @@ _PREFILL = {"pallas_gpu": paged_attention_prefill_gpu, "pallas_tpu": paged_atten
 __all__ = ["BACKENDS", "check_page_layout", "dense_causal_attention", "paged_attention_decode",
            "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
            "paged_attention_prefill_gpu", "paged_attention_prefill_tpu", "reference",
-           "write_to_pages", "write_to_pages_gpu"]
+           "rotate_and_write", "rotate_and_write_gpu", "write_to_pages", "write_to_pages_gpu"]
 
 
 def _check_backend(backend, kernel_options):
@@ -80,3 +81,20 @@ def write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, backend="ref
         return write_to_pages_gpu(k_pages, v_pages, k_new, v_new, slot_mapping,
                                   interpret=interpret)
     return reference.write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping)
+
+
+def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads,
+                     backend="reference", interpret=False):
+    """A layer's projected heads qkv [T, H + 2K, D] (queries, keys, values) -> rotated queries
+    [T, H, D], with the rotated keys and the values written into pages [K, N, S, D] at
+    slot_mapping [T] (-1 skips); cos, sin [T, D] float32. Returns (q, k_pages, v_pages).
+
+    "pallas_gpu" does it in one Pallas launch; the reference and "pallas_tpu" with XLA's ops
+    and scatter. Callers donate the pages so either writes in place.
+    """
+    _check_backend(backend, {})
+    if backend == "pallas_gpu":
+        return rotate_and_write_gpu(qkv, cos, sin, k_pages, v_pages, slot_mapping,
+                                    num_heads=num_heads, interpret=interpret)
+    return reference.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping,
+                                      num_heads=num_heads)

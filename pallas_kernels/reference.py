@@ -134,6 +134,34 @@ def write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
     return scatter(k_pages, k_new), scatter(v_pages, v_new)
 
 
+def apply_rotary(x, cos, sin):
+    """Rotate x [T, heads, D] by per-token angles: cos, sin [T, D] float32 (half-split layout,
+    transformers' `rotate_half`). cos and sin are cast to x's dtype first, as transformers does."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads):
+    """A layer's projected heads -> rotated queries, with rotated keys and values written.
+
+    qkv: [T, H + 2K, D]: query heads [0, H), key heads [H, H+K), value heads [H+K, H+2K);
+    cos, sin: [T, D] float32 rotary tables; slot_mapping [T] int32 (-1 skips the write).
+    Returns (q [T, H, D] rotated, k_pages, v_pages with the rotated keys and the values written).
+    """
+    num_kv_heads = k_pages.shape[0]
+    if qkv.ndim != 3 or qkv.shape[1] != num_heads + 2 * num_kv_heads:
+        raise ValueError(f"qkv must be [T, {num_heads} + 2 x {num_kv_heads}, D], got "
+                         f"{qkv.shape}")
+    q = apply_rotary(qkv[:, :num_heads], cos, sin)
+    k = apply_rotary(qkv[:, num_heads:num_heads + num_kv_heads], cos, sin)
+    k_pages, v_pages = write_to_pages(k_pages, v_pages, k, qkv[:, num_heads + num_kv_heads:],
+                                      slot_mapping)
+    return q, k_pages, v_pages
+
+
 def dense_causal_attention(q, k, v, *, scale=None, query_offset=0):
     """Unpaged oracle for the oracle: q [Q, H, D], k/v [C, K, D]; query i sits at query_offset + i."""
     num_q, num_heads, head_dim = q.shape

@@ -25,12 +25,11 @@ MAX_TOKENS = 10
 ENGINE_OPTIONS = dict(num_kv_blocks=64, max_model_len=96, max_num_seqs=4,
                       max_num_batched_tokens=32, block_size=8, preemption_mode="recompute",
                       warmup=False)  # on a GPU warm-up would compile every bucket first
-PARAMETERS = {  # Hugging Face name -> short key in the report
+PARAMETERS = {  # parameter name -> short key in the report
     "model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head",
-    "model.norm.weight": "norm", "model.layers.0.self_attn.q_proj.weight": "q",
-    "model.layers.0.self_attn.k_proj.weight": "k", "model.layers.0.self_attn.v_proj.weight": "v",
-    "model.layers.0.self_attn.o_proj.weight": "o", "model.layers.0.mlp.gate_proj.weight": "gate",
-    "model.layers.0.mlp.up_proj.weight": "up", "model.layers.0.mlp.down_proj.weight": "down",
+    "model.norm.weight": "norm", "model.layers.0.self_attn.qkv_proj.weight": "qkv",
+    "model.layers.0.self_attn.o_proj.weight": "o", "model.layers.0.mlp.gate_up_proj.weight":
+    "gate_up", "model.layers.0.mlp.down_proj.weight": "down",
 }
 
 
@@ -92,9 +91,45 @@ def _describe(llm) -> dict:
         "kv_copies_equal": bool((copies == copies[:, :1]).all() and copies.any())
         if copies.shape[1] > 1 else None,
         "shard_maps": _count_shard_maps(runner),
+        "qkv_blocks_local": _qkv_blocks_local(llm),
         "num_layers": llm.engine.model_config.num_hidden_layers,
         "preemption_mode": llm.engine.config.preemption_mode,
     }
+
+
+def _qkv_blocks_local(llm) -> bool:
+    """Each device's block of the packed qkv weight holds exactly the q rows of its query heads
+    and the k and v rows of the kv head(s) it caches, so the column split needs no
+    communication."""
+    import numpy as np
+    from flax import nnx
+
+    from jpaged.models import checkpoint_tensors
+
+    runner, config = llm.engine.runner, llm.engine.model_config
+    model = nnx.merge(runner.graphdef, runner.params)
+    hf = {name.rpartition(".")[0].rpartition(".")[2]: np.asarray(array)
+          for name, array in checkpoint_tensors(model).items()
+          if name.startswith("model.layers.0.self_attn.") and name.endswith("proj.weight")}
+    weight = model.model.layers[0].self_attn.qkv_proj.weight[...]
+    devices = len(weight.sharding.device_set)
+    heads, kv_heads, dim = (config.num_attention_heads, config.num_key_value_heads,
+                            config.head_dim)
+    cache_heads = max(kv_heads, devices)
+    rows = lambda part, head: hf[part][head * dim:(head + 1) * dim]  # noqa: E731
+    for shard in weight.addressable_shards:
+        block = shard.index[0].start or 0
+        device = block // (weight.shape[0] // devices)
+        q_heads = range(device * heads // devices, (device + 1) * heads // devices)
+        kv = [c * kv_heads // cache_heads
+              for c in range(device * cache_heads // devices,
+                             (device + 1) * cache_heads // devices)]
+        expected = np.concatenate([rows("q_proj", h) for h in q_heads]
+                                  + [rows("k_proj", g) for g in kv]
+                                  + [rows("v_proj", g) for g in kv])
+        if not np.array_equal(np.asarray(shard.data), expected):
+            return False
+    return True
 
 
 def run_tp(checkpoint: str) -> dict:
@@ -136,17 +171,16 @@ def _dummy_same_on_mesh(size: int) -> bool:
     """Random (dummy) weights drawn on a mesh equal those drawn on one device."""
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from jpaged import parallel
     from jpaged.config import ModelConfig
-    from jpaged.models import random_model
+    from jpaged.models import checkpoint_tensors, random_model
 
     config = ModelConfig.preset("tiny")
-    one, split = (nnx.to_flat_state(nnx.state(random_model(config, dtype=jnp.float32, mesh=mesh)))
+    one, split = (checkpoint_tensors(random_model(config, dtype=jnp.float32, mesh=mesh))
                   for mesh in (None, parallel.make_mesh(size)))
-    return all(np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
-               for (_, a), (_, b) in zip(one, split))
+    return one.keys() == split.keys() and all(
+        np.array_equal(np.asarray(one[name]), np.asarray(split[name])) for name in one)
 
 
 def run_multihost(checkpoint: str, port: str, process_id: str, num_processes: str) -> dict:

@@ -272,6 +272,68 @@ def test_cache_write_rejects_bad_shapes():
                                    interpret=INTERPRET)
 
 
+def rotate_write_problem(num_heads, num_kv_heads, head_dim, dtype, num_tokens, seed=0):
+    """qkv [T, H + 2K, D], rotary tables of scattered positions, pages [K, 9, 4, D] of random
+    values (NaN in block 0, the sink, except where skipped tokens aim), distinct slots, two -1."""
+    rng = np.random.default_rng(seed)
+    qkv = jnp.asarray(rng.normal(size=(num_tokens, num_heads + 2 * num_kv_heads, head_dim)),
+                      dtype)
+    positions = rng.integers(0, 4000, num_tokens)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
+    angles = np.concatenate([positions[:, None] * inv_freq[None]] * 2, axis=-1)
+    cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
+    shape = (num_kv_heads, 9, 4, head_dim)
+    k_pages, v_pages = (jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2))
+    slots = rng.permutation(np.arange(4, 9 * 4))[:num_tokens].astype(np.int32)
+    slots[[1, num_tokens - 1]] = -1
+    return qkv, cos, sin, k_pages, v_pages, jnp.asarray(slots)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,num_tokens", [
+    (4, 4, 16, F32, 12), (8, 2, 64, BF16, 13), (4, 1, 32, BF16, 6), (28, 4, 128, BF16, 8),
+    (16, 8, 16, F32, 2)])
+def test_rotate_and_write_equals_reference(num_heads, num_kv_heads, head_dim, dtype,
+                                           num_tokens):
+    """Rotated queries and keys within the dtype's tolerance of the reference (one rounding
+    where XLA may round per operation), values bit-identical; skipped slots and every other
+    slot untouched. Token counts that are odd or not a multiple of 4, head counts not a
+    power of two."""
+    args = rotate_write_problem(num_heads, num_kv_heads, head_dim, dtype, num_tokens)
+    want_q, want_k, want_v = jax.jit(functools.partial(reference.rotate_and_write,
+                                                       num_heads=num_heads))(*args)
+    q, k_pages, v_pages = cache_write.rotate_and_write(*args, num_heads=num_heads,
+                                                       interpret=INTERPRET)
+    tolerance = dict(rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert q.shape == want_q.shape and q.dtype == dtype and k_pages.dtype == dtype
+    np.testing.assert_allclose(np.asarray(q, np.float32), np.asarray(want_q, np.float32),
+                               **tolerance)
+    np.testing.assert_allclose(np.asarray(k_pages, np.float32), np.asarray(want_k, np.float32),
+                               **tolerance)
+    np.testing.assert_array_equal(np.asarray(v_pages, np.float32),
+                                  np.asarray(want_v, np.float32))
+    written = (np.asarray(args[3], np.float32) != np.asarray(k_pages, np.float32)).any(axis=(0, 3))
+    slots = np.asarray(args[5])
+    expected = np.zeros(written.size, bool)
+    expected[slots[slots >= 0]] = True
+    np.testing.assert_array_equal(written.reshape(-1), expected)   # the live tokens' slots only
+    routed = pk.rotate_and_write(*args, num_heads=num_heads, backend="pallas_gpu",
+                                 interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(routed[0], np.float32), np.asarray(q, np.float32))
+
+
+def test_rotate_and_write_rejects_bad_shapes():
+    qkv, cos, sin, k_pages, v_pages, slots = rotate_write_problem(4, 2, 16, F32, 4)
+    with pytest.raises(ValueError, match="qkv"):
+        cache_write.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slots, num_heads=6,
+                                     interpret=INTERPRET)
+    with pytest.raises(ValueError, match="cos"):
+        cache_write.rotate_and_write(qkv, cos[:, :8], sin, k_pages, v_pages, slots,
+                                     num_heads=4, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cache_write.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slots[:-1], num_heads=4,
+                                     interpret=INTERPRET)
+
+
 # --- compiled on a GPU only: realistic shapes -----------------------------------------------
 
 @pytest.mark.gpu

@@ -9,14 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from flax import nnx
 
 from jpaged import serve
 from jpaged.async_engine import AsyncEngine
 from jpaged.config import CONFIGS_DIR
 from jpaged.engine import LLMEngine
-from jpaged.models import load_model
-from jpaged.models.loader import _param_name
+from jpaged.models import checkpoint_tensors, load_model
 
 SERVER_FLAGS = ["--load-format", "dummy", "--max-num-seqs", "4", "--max-model-len", "256",
                 "--max-num-batched-tokens", "128", "--block-size", "16"]
@@ -30,8 +28,7 @@ def config_only_dir(tmp_path):
 
 
 def _params(model) -> dict[str, jax.Array]:
-    return {_param_name(path): var[...]
-            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return checkpoint_tensors(model)
 
 
 def test_dummy_needs_only_config_and_is_random_fixed_and_in_dtype(config_only_dir):

@@ -6,11 +6,9 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jpaged.models import load_model, load_tokenizer
-from jpaged.models.loader import _param_name
+from jpaged.models import checkpoint_tensors, load_model, load_tokenizer
 
 
 @pytest.fixture
@@ -35,10 +33,13 @@ def test_sharded_checkpoint_loads_every_tensor_exactly(hf_checkpoints):
     for shard in set(index.values()):
         tensors.update(load_file(f"{directory}/{shard}"))
     model, config = load_model(directory)
-    state = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    assert {_param_name(path) for path, _ in state} == set(tensors)
-    for path, var in state:
-        np.testing.assert_array_equal(np.asarray(var[...]), tensors[_param_name(path)])
+    loaded = checkpoint_tensors(model)
+    assert set(loaded) == set(tensors)
+    for name, array in loaded.items():
+        np.testing.assert_array_equal(np.asarray(array), tensors[name], err_msg=name)
+    attn = model.model.layers[1].self_attn   # packed in q, k, v order (one shard)
+    np.testing.assert_array_equal(np.asarray(attn.qkv_proj.weight[...]), np.concatenate(
+        [tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
     assert config.architecture == "LlamaForCausalLM" and config.num_hidden_layers == 2
 
 

@@ -11,7 +11,8 @@ from flax import nnx
 from jpaged.config import ModelConfig
 from jpaged.kv_cache import KVCache, init_cache
 from jpaged.models import AttentionMetadata, LlamaForCausalLM, load_model
-from jpaged.models.layers import RMSNorm, apply_rotary, rotary_cos_sin
+from jpaged.models.layers import RMSNorm, rotary_cos_sin
+from pallas_kernels.reference import apply_rotary
 from tests.hf_fixtures import FLOAT32_CHECKPOINTS, VOCAB_SIZE
 
 torch = pytest.importorskip("torch")
@@ -178,7 +179,7 @@ def _hf_generate(path: str, prompts) -> list[list[int]]:
 def test_bfloat16_roughly_agrees(hf_checkpoints):
     path = hf_checkpoints["llama_gqa"]
     model, config = load_model(path, dtype="bfloat16")
-    assert model.model.layers[0].self_attn.q_proj.weight[...].dtype == jnp.bfloat16
+    assert model.model.layers[0].self_attn.qkv_proj.weight[...].dtype == jnp.bfloat16
     prompts = _prompts(seed=6)
     logits = PagedRun(model, config, len(prompts), seed=7).prefill([(p, 0) for p in prompts])
     for prompt, got in zip(prompts, logits):
@@ -212,9 +213,10 @@ def test_parameter_shapes_follow_config(arch, biases):
                                                     rngs=nnx.Rngs(0)))
     assert (model.lm_head is None) == config.tie_word_embeddings
     attn = model.model.layers[1].self_attn
-    assert attn.q_proj.weight.shape == (48, 32) and attn.k_proj.weight.shape == (24, 32)
-    assert (attn.q_proj.bias is not None, attn.o_proj.bias is not None,
-            model.model.layers[1].mlp.up_proj.bias is not None) == biases
+    assert attn.qkv_proj.weight.shape == (48 + 2 * 24, 32)   # q, k, v rows packed
+    assert model.model.layers[1].mlp.gate_up_proj.weight.shape == (2 * 48, 32)
+    assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None,
+            model.model.layers[1].mlp.gate_up_proj.bias is not None) == biases
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16)}
     assert sum(leaf.size for leaf in leaves) == config.num_parameters()

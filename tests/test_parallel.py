@@ -72,14 +72,13 @@ def test_weights_split_megatron_style(report):
     for size in ("2", "4"):
         params = report[size]["params"]
         assert report[size]["param_devices"] == int(size)
-        assert params["q"] == params["gate"] == params["up"] == column
+        assert params["qkv"] == params["gate_up"] == column
         assert params["o"] == params["down"] == row
         assert params["embed"] == row and params["lm_head"] == column
         assert params["norm"] == []
-    assert report["2"]["params"]["k"] == report["2"]["params"]["v"] == column
-    # 2 kv heads on 4 devices: the projections stay whole, each device keeps its head's copy
-    assert report["4"]["params"]["k"] == report["4"]["params"]["v"] == []
-    assert report["1"]["param_devices"] == 1 and report["1"]["params"]["q"] == []
+        # 2 kv heads on 4 devices: each device's qkv block holds its kv head's rows
+        assert report[size]["qkv_blocks_local"]
+    assert report["1"]["param_devices"] == 1 and report["1"]["params"]["qkv"] == []
     assert report["dummy_same_on_mesh"]   # random weights: the same model at every TP size
 
 
@@ -112,9 +111,9 @@ def test_tp8_splits_weights_and_repeats_each_kv_head_on_four_devices(report8):
     one, eight = report8["1"], report8["8"]
     params, column, row = eight["params"], ["tp", None], [None, "tp"]
     assert eight["param_devices"] == 8 and one["param_devices"] == 1
-    assert params["q"] == params["gate"] == params["up"] == params["lm_head"] == column
-    assert params["o"] == params["down"] == params["embed"] == row
-    assert params["k"] == params["v"] == params["norm"] == []   # 2 kv heads: whole on every device
+    assert params["qkv"] == params["gate_up"] == params["lm_head"] == column
+    assert params["o"] == params["down"] == params["embed"] == row and params["norm"] == []
+    assert eight["qkv_blocks_local"]   # 2 kv heads: each device's block holds its head's k/v
     assert one["cache_shape"][0] == 2 and eight["cache_shape"][0] == 8
     assert eight["cache_spec"] == ["tp"] and eight["cache_shard_shape"][0] == 1
     assert eight["cache_devices"] == 8 and eight["manager_replicated"]
@@ -130,10 +129,11 @@ def test_tp8_refuses_a_model_with_four_query_heads(report8):
 def test_param_spec_rules():
     config = ModelConfig.preset("llama3-8b")   # 32 heads, 8 kv heads, vocab 128256
     spec = lambda name, shape, size: parallel.param_spec(name, shape, config, size)
-    assert spec("model.layers.3.self_attn.q_proj.weight", (4096, 4096), 2) == P("tp", None)
-    assert spec("model.layers.3.self_attn.k_proj.weight", (1024, 4096), 8) == P("tp", None)
-    assert spec("model.layers.3.self_attn.k_proj.weight", (1024, 4096), 16) == P()
-    assert spec("model.layers.3.self_attn.q_proj.bias", (4096,), 2) == P("tp")
+    assert spec("model.layers.3.self_attn.qkv_proj.weight", (6144, 4096), 2) == P("tp", None)
+    assert spec("model.layers.3.self_attn.qkv_proj.weight", (8192, 4096), 16) == P("tp", None)
+    assert spec("model.layers.3.self_attn.qkv_proj.bias", (6144,), 2) == P("tp")
+    assert spec("model.layers.3.mlp.gate_up_proj.weight", (28672, 4096), 8) == P("tp", None)
+    assert spec("model.layers.3.mlp.gate_up_proj.weight", (28672, 4096), 3) == P()
     assert spec("model.layers.3.self_attn.o_proj.weight", (4096, 4096), 2) == P(None, "tp")
     assert spec("model.layers.3.self_attn.o_proj.bias", (4096,), 2) == P()
     assert spec("model.layers.3.mlp.down_proj.weight", (4096, 14336), 4) == P(None, "tp")

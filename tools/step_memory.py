@@ -56,14 +56,14 @@ def main(argv=None):
     packed, layout = device_step.pack(runner._build_inputs([(-1, [0] * args.tokens)],
                                                            [(0, pad)])[0])
     static = dict(model_def=runner.model_def, backend=backend, interpret=interpret)
-    analyse(device_step.step_program.lower(
+    analyse(device_step.step_program(args.tokens).lower(
         runner.param_leaves, runner.manager, runner.cache, jax.device_put(packed),
         layout=layout, is_decode=False, num_logprobs=0, **static),
         f"mixed step, {args.tokens} tokens", kv_bytes, weight_bytes)
     launched = runner.launch_decode([(-1, 0)] * args.batch, [pad] * args.batch,
                                     [0] * args.batch, [[]] * args.batch, 1, 8,
                                     args.max_model_len, 0)
-    analyse(device_step.decode_loop.lower(
+    analyse(device_step.decode_loop(args.batch).lower(
         runner.param_leaves, runner.manager, runner.cache, launched.packed,
         layout=launched.layout, **launched.static, **static),
         f"decode loop, batch {args.batch}", kv_bytes, weight_bytes)

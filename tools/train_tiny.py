@@ -28,9 +28,10 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jpaged.config import ModelConfig  # noqa: E402
-from jpaged.models.layers import apply_rotary, rotary_cos_sin  # noqa: E402
+from jpaged.models.layers import rotary_cos_sin  # noqa: E402
+from pallas_kernels.reference import apply_rotary  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
-from jpaged.models.loader import load_model  # noqa: E402
+from jpaged.models.loader import checkpoint_tensors, load_model  # noqa: E402
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 256                    # after the 256 byte tokens; also separates source files
@@ -146,9 +147,7 @@ def dense_logits(model: LlamaForCausalLM, token_ids: jax.Array) -> jax.Array:
 
 def _dense_attention(attn, x, cos, sin):
     batch, length, _ = x.shape
-    q = attn.q_proj(x).reshape(batch, length, attn.num_heads, attn.head_dim)      # [B, T, H, D]
-    k = attn.k_proj(x).reshape(batch, length, attn.num_kv_heads, attn.head_dim)   # [B, T, K, D]
-    v = attn.v_proj(x).reshape(batch, length, attn.num_kv_heads, attn.head_dim)   # [B, T, K, D]
+    q, k, v = attn.project_qkv(x)                        # [B, T, H, D], [B, T, K, D], [B, T, K, D]
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)                   # [B, T, H, D]
     return attn.o_proj(out.reshape(batch, length, -1))
@@ -156,8 +155,7 @@ def _dense_attention(attn, x, cos, sin):
 
 def hf_named_params(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     """{Hugging Face tensor name: array}, e.g. 'model.layers.0.mlp.up_proj.weight'."""
-    return {".".join(str(p) for p in path): np.asarray(var.get_value())
-            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {name: np.asarray(array) for name, array in checkpoint_tensors(model).items()}
 
 
 # ---- training --------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from jpaged.models.attention import AttentionMetadata, paged_attention
 from jpaged.models.llama import LlamaForCausalLM
-from jpaged.models.loader import load_model, load_tokenizer, random_model
+from jpaged.models.loader import checkpoint_tensors, load_model, load_tokenizer, random_model
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "load_model", "load_tokenizer",
-           "paged_attention", "random_model"]
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "checkpoint_tensors", "load_model",
+           "load_tokenizer", "paged_attention", "random_model"]

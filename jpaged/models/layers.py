@@ -1,8 +1,10 @@
-"""Building blocks of a Llama-family decoder: Linear, RMSNorm, rotary embedding, gated MLP.
+"""Building blocks of a Llama-family decoder: Linear, RMSNorm, rotary tables, gated MLP.
 
 Weights keep Hugging Face's layout ([out, in] for a Linear) so checkpoints load without a
 transpose; the matmul contracts the `in` axis directly, which XLA lowers to the same GEMM.
-Axis names: T tokens, E hidden size, F intermediate size, H query heads, K kv heads, D head dim.
+A packed Linear (`jpaged.models.packing`) holds several Hugging Face projections' rows.
+Axis names: T tokens, E hidden size, F intermediate size, H query heads, K kv heads, D head dim,
+P tensor-parallel shards.
 """
 
 import functools
@@ -11,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jpaged.models import packing
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, stddev=0.02):
@@ -24,11 +28,23 @@ def _scaled_normal(key, shape, dtype, stddev):
 
 
 class Linear(nnx.Module):
-    """y = x @ weight.T (+ bias); weight: [out, in] as in torch.nn.Linear."""
+    """y = x @ weight.T (+ bias); weight: [out, in] as in torch.nn.Linear.
+
+    packing (a `packing.Packing`): the weight's rows are its parts' rows, each part drawn on its
+    own and then packed, so rows that appear twice are equal; out_features is then the packed
+    row count.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-                 rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+                 rngs: nnx.Rngs, packing=None):
+        if packing is None:
+            weight = _normal(rngs, (out_features, in_features), dtype)
+        else:
+            weight = packing.pack([_normal(rngs, (rows, in_features), dtype)
+                                   for rows in packing.part_rows])
+            if weight.shape[0] != out_features:
+                raise ValueError(f"packing gives {weight.shape[0]} rows, not {out_features}")
+        self.weight = nnx.Param(weight)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
     def __call__(self, x):
@@ -63,21 +79,29 @@ class RMSNorm(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)): E -> F -> E."""
+    """down(silu(gate(x)) * up(x)): E -> F -> E, gate and up packed in one `gate_up_proj`
+    (rows in `packing.gate_up_packing(F, shards)` order)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, use_bias: bool, dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, shards: int = 1):
         kwargs = dict(use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.gate_proj = Linear(hidden_size, intermediate_size, **kwargs)
-        self.up_proj = Linear(hidden_size, intermediate_size, **kwargs)
+        self.blocks = packing.gate_up_shards(intermediate_size, shards)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, **kwargs,
+                                   packing=packing.gate_up_packing(intermediate_size, shards))
         self.down_proj = Linear(intermediate_size, hidden_size, **kwargs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x [..., E] -> [..., E]."""
+        lead = x.shape[:-1]
+        gate_up = self.gate_up_proj(x).reshape(*lead, self.blocks, 2, -1)   # [..., P, 2, F/P]
+        gate = gate_up[..., 0, :].reshape(*lead, -1)                       # [..., F]
+        up = gate_up[..., 1, :].reshape(*lead, -1)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 def rotary_cos_sin(positions, inv_frequencies: np.ndarray):
-    """positions [T] int32, inv_frequencies [D/2] -> (cos, sin), each [T, D] float32.
+    """positions [T] int32, inv_frequencies [D/2] -> (cos, sin), each [T, D] float32. (The
+    rotation itself runs with the cache write: `pallas_kernels.rotate_and_write`.)
 
     Angles are computed in float32 from the integer positions, like transformers' rotary module.
     """
@@ -85,15 +109,3 @@ def rotary_cos_sin(positions, inv_frequencies: np.ndarray):
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)                   # [T, D]
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rotary(x, cos, sin):
-    """Rotate x [T, heads, D] by per-token angles (half-split layout, `rotate_half` in HF).
-
-    cos and sin are cast to x's dtype first, as transformers does, so bf16 matches it.
-    """
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos = cos[:, None, :].astype(x.dtype)
-    sin = sin[:, None, :].astype(x.dtype)
-    return x * cos + rotated * sin

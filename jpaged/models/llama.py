@@ -2,18 +2,21 @@
 
 One class serves every architecture; the config says which projections carry a bias, whether
 the embeddings are tied and how RoPE is scaled. Module attribute names mirror Hugging Face's
-parameter names (`model.layers.3.self_attn.q_proj.weight`), which is what the loader relies on.
-Axis names: T tokens, E hidden size, V vocab, H query heads, K kv heads, D head dim.
+parameter names (`model.layers.3.self_attn.o_proj.weight`), except that q/k/v and gate/up are
+packed (`qkv_proj`, `gate_up_proj`; see `jpaged.models.packing`), which the loader maps.
+Axis names: T tokens, E hidden size, V vocab, H query heads, K kv heads, C cache kv heads
+(K, or one per shard when tensor-parallel shards outnumber K), D head dim, P shards.
 """
 
 import jax.numpy as jnp
 from flax import nnx
 
 from jpaged import kv_cache as kv
+from jpaged import parallel
 from jpaged.config import ModelConfig
+from jpaged.models import packing
 from jpaged.models.attention import AttentionMetadata, paged_attention
-from jpaged.models.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary,
-                                  rotary_cos_sin)
+from jpaged.models.layers import Embedding, GatedMLP, Linear, RMSNorm, rotary_cos_sin
 
 
 class LlamaAttention(nnx.Module):
@@ -26,27 +29,31 @@ class LlamaAttention(nnx.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = dict(use_bias=config.qkv_bias, dtype=dtype, rngs=rngs)
-        self.q_proj = Linear(config.hidden_size, q_out, **qkv)
-        self.k_proj = Linear(config.hidden_size, kv_out, **qkv)
-        self.v_proj = Linear(config.hidden_size, kv_out, **qkv)
-        self.o_proj = Linear(q_out, config.hidden_size, use_bias=config.o_proj_bias, dtype=dtype,
-                             rngs=rngs)
+        self.shards = parallel.mesh_size(mesh)
+        self.num_cache_kv_heads = parallel.num_cache_kv_heads(self.num_kv_heads, mesh)
+        qkv = packing.qkv_packing(self.num_heads, self.num_kv_heads, self.head_dim, self.shards)
+        self.qkv_proj = Linear(config.hidden_size, len(qkv.rows), use_bias=config.qkv_bias,
+                               dtype=dtype, rngs=rngs, packing=qkv)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
+                             use_bias=config.o_proj_bias, dtype=dtype, rngs=rngs)
+
+    def project_qkv(self, x):
+        """x [..., E] -> q [..., H, D], k and v [..., C, D], before rotation (for dense uses,
+        e.g. tools/train_tiny.py; the paged step rotates and writes in one kernel)."""
+        lead, shards = x.shape[:-1], self.shards
+        local_q, local_kv = self.num_heads // shards, self.num_cache_kv_heads // shards
+        qkv = self.qkv_proj(x).reshape(*lead, shards, local_q + 2 * local_kv, self.head_dim)
+        heads = lambda start, count: qkv[..., start:start + count, :].reshape(  # noqa: E731
+            *lead, shards * count, self.head_dim)
+        return heads(0, local_q), heads(local_q, local_kv), heads(local_q + local_kv, local_kv)
 
     def __call__(self, x, cos, sin, cache: kv.KVCache, metadata: AttentionMetadata):
         """x [T, E], cos/sin [T, D] -> ([T, E], cache with this step's K/V written)."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)      # [T, H, D]
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)   # [T, K, D]
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)   # [T, K, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        copies = cache.k_pages[self.layer_index].shape[0] // self.num_kv_heads
-        if copies > 1:  # more tensor-parallel devices than kv heads: each holds its head's copy
-            k, v = jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1)
-        cache = kv.write_layer(cache, self.layer_index, k, v, metadata.slot_mapping,
-                               backend=metadata.backend, interpret=metadata.interpret,
-                               mesh=self.mesh)
+        qkv = self.qkv_proj(x).reshape(num_tokens, self.shards, -1, self.head_dim)
+        q, cache = kv.rotate_and_write_layer(                                  # q [T, H, D]
+            cache, self.layer_index, qkv, cos, sin, metadata.slot_mapping,
+            backend=metadata.backend, interpret=metadata.interpret, mesh=self.mesh)
         out = paged_attention(q, cache.k_pages[self.layer_index], cache.v_pages[self.layer_index],
                               metadata, scale=self.head_dim ** -0.5, mesh=self.mesh)
         return self.o_proj(out.reshape(num_tokens, -1)), cache
@@ -62,7 +69,8 @@ class LlamaDecoderLayer(nnx.Module):
         self.self_attn = LlamaAttention(config, layer_index, dtype=dtype, rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
-                            use_bias=config.mlp_bias, dtype=dtype, rngs=rngs)
+                            use_bias=config.mlp_bias, dtype=dtype, rngs=rngs,
+                            shards=parallel.mesh_size(mesh))
 
     def __call__(self, x, cos, sin, cache, metadata):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata)

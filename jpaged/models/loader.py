@@ -5,8 +5,10 @@ one; the built-in default model is one). Or, with load_format "dummy", no weight
 parameters of the config's shapes, for benchmarks (vLLM's `--load-format dummy`).
 
 Parameters are built straight from the tensors: the model is traced abstractly
-(`nnx.eval_shape`, no memory), then every variable is filled from its checkpoint tensor, one
-tensor at a time, so host memory peaks at about one tensor rather than a second copy of the model.
+(`nnx.eval_shape`, no memory), then every variable is filled from its checkpoint tensor(s), one
+tensor at a time (a packed q/k/v or gate/up parameter once its parts are read, see
+`jpaged.models.packing`), so host memory peaks at about one layer's tensors rather than a second
+copy of the model. `checkpoint_tensors` goes the other way.
 Every tensor's name and shape is checked against the config before any is read. (An orbax
 folder is restored in one call, so it peaks at a host copy of the model: fine for the small
 models saved that way.)
@@ -26,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from jpaged import parallel
 from jpaged.config import ModelConfig, normalize_dtype, read_eos_token_ids
+from jpaged.models import packing
 from jpaged.models.llama import LlamaForCausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -64,10 +67,7 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
     parallel.check_config(config, mesh)
     if load_format == "dummy":
         return random_model(config, dtype=dtype, mesh=mesh), config
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0),
-                                                       mesh=mesh))
-    graphdef, abstract_state = nnx.split(abstract)
-    wanted = {_param_name(path): (path, var) for path, var in nnx.to_flat_state(abstract_state)}
+    targets = _Targets(config, dtype, mesh)
 
     def place(name, array):
         """A host tensor on the device, or straight into its shards."""
@@ -76,12 +76,66 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
         return jax.device_put(array, parallel.param_sharding(name, array.shape, config, mesh))
 
     if _is_orbax(model_dir):
-        state = _read_orbax_state(wanted, model_dir / ORBAX_DIR, config, place)
+        state = _read_orbax_state(targets, model_dir / ORBAX_DIR, config, place)
     else:
         tensor_files = _tensor_files(model_dir)
-        _check_names(wanted, tensor_files, config, model_dir)
-        state = _read_state(wanted, tensor_files, place)
-    return nnx.merge(graphdef, state), config
+        _check_names(targets.shapes, tensor_files, config, model_dir)
+        state = _read_state(targets, tensor_files, place)
+    return nnx.merge(targets.graphdef, state), config
+
+
+class _Targets:
+    """Where each checkpoint tensor goes: the model's abstract parameters, the checkpoint names
+    and shapes they are built from, and the assembly of packed parameters from their parts."""
+
+    def __init__(self, config: ModelConfig, dtype, mesh):
+        abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype,
+                                                           rngs=nnx.Rngs(0), mesh=mesh))
+        self.graphdef, abstract_state = nnx.split(abstract)
+        shards = parallel.mesh_size(mesh)
+        self.params = {}   # parameter name -> (path, abstract variable, Packing or None)
+        self.shapes = {}   # checkpoint name -> (shape, dtype)
+        self.owner = {}    # checkpoint name -> parameter name
+        for path, var in nnx.to_flat_state(abstract_state):
+            name, struct = _param_name(path), var.get_value()
+            self.params[name] = (path, var, packing.packing_for(name, config, shards))
+            for part, shape in packing.checkpoint_shapes(name, struct.shape, config,
+                                                         shards).items():
+                self.shapes[part] = jax.ShapeDtypeStruct(shape, struct.dtype)
+                self.owner[part] = name
+
+    def assemble(self, tensors, place):
+        """The filled nnx state from (checkpoint name, host array) pairs, in any order: a packed
+        parameter is packed and placed once all its parts have arrived (so host memory holds
+        at most the parts of the parameters in progress)."""
+        pending, loaded = {}, []
+        for part, array in tensors:
+            name = self.owner[part]
+            path, var, packed = self.params[name]
+            if packed is None:
+                loaded.append((path, var.replace(place(name, array))))
+                continue
+            parts = pending.setdefault(name, {})
+            parts[part] = array
+            if len(parts) == len(packed.parts):
+                del pending[name]
+                array = packed.pack([parts[p] for p in packed.parts])
+                loaded.append((path, var.replace(place(name, array))))
+        if pending:
+            raise ValueError(f"parts of {sorted(pending)} never arrived")
+        return nnx.from_flat_state(loaded)
+
+
+def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, jax.Array]:
+    """{Hugging Face tensor name: array} of a model's parameters, packed ones split into their
+    parts (e.g. 'model.layers.0.mlp.up_proj.weight'): what a checkpoint of it would hold."""
+    shards = parallel.mesh_size(model.mesh)
+    tensors = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, value = _param_name(path), var.get_value()
+        packed = packing.packing_for(name, model.config, shards)
+        tensors.update({name: value} if packed is None else packed.unpack(value))
+    return tensors
 
 
 def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> LlamaForCausalLM:
@@ -97,29 +151,35 @@ def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> L
     same but compiles for minutes at 80 layers; per tensor, a few shapes compile once each.)
     """
     parallel.check_config(config, mesh)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.dtype(dtype),
-                                                       rngs=nnx.Rngs(0), mesh=mesh))
-    graphdef, abstract_state = nnx.split(abstract)
+    targets = _Targets(config, jnp.dtype(dtype), mesh)
+    index = {part: i for i, part in enumerate(targets.shapes)}  # a tensor's place in name order
     root = jax.random.key(seed)
     loaded = []
-    for index, (path, var) in enumerate(nnx.to_flat_state(abstract_state)):
-        name, struct = _param_name(path), var.get_value()
+    for name, (path, var, packed) in targets.params.items():
         kind = ("ones" if name.endswith("norm.weight") else "zeros" if name.endswith(".bias")
                 else "normal")
+        parts = (name,) if packed is None else packed.parts
         sharding = (None if mesh is None
-                    else parallel.param_sharding(name, struct.shape, config, mesh))
-        draw = _draw_program(tuple(struct.shape), jnp.dtype(struct.dtype).name, kind, sharding)
-        loaded.append((path, var.replace(draw(jax.random.fold_in(root, index)))))
-    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+                    else parallel.param_sharding(name, var.get_value().shape, config, mesh))
+        draw = _draw_program(tuple(tuple(targets.shapes[p].shape) for p in parts),
+                             jnp.dtype(var.get_value().dtype).name, kind, packed, sharding)
+        keys = jnp.stack([jax.random.fold_in(root, index[p]) for p in parts])
+        loaded.append((path, var.replace(draw(keys))))
+    return nnx.merge(targets.graphdef, nnx.from_flat_state(loaded))
 
 
 @functools.lru_cache(maxsize=None)
-def _draw_program(shape: tuple, dtype: str, kind: str, sharding):
-    """The jitted draw of one tensor kind, placed on `sharding` (None: the default device)."""
-    def draw(key):
+def _draw_program(shapes: tuple, dtype: str, kind: str, packed, sharding):
+    """The jitted draw of one parameter from one key per part (shapes), packed when `packed`
+    is a Packing, placed on `sharding` (None: the default device)."""
+    def draw(keys):
         if kind == "normal":
-            return (DUMMY_STDDEV * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-        return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+            parts = [(DUMMY_STDDEV * jax.random.normal(keys[i], shape, jnp.float32)).astype(dtype)
+                     for i, shape in enumerate(shapes)]
+        else:
+            parts = [(jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+                     for shape in shapes]
+        return parts[0] if packed is None else packed.pack(parts)
 
     return jax.jit(draw) if sharding is None else jax.jit(draw, out_shardings=sharding)
 
@@ -187,19 +247,18 @@ def _check_names(wanted: dict, tensor_files: dict, config: ModelConfig, model_di
                          f"e.g. {unexpected[:5]}")
 
 
-def _read_state(wanted: dict, tensor_files: dict, place):
+def _read_state(targets: _Targets, tensor_files: dict, place):
     """The filled nnx state: each file opened once, each tensor read, cast and `place`d."""
-    loaded = []
-    for file, names in _group_by_file(tensor_files, wanted).items():
-        with _open(file) as reader:
-            present = set(reader.keys())
-            for name in names:
-                path, var = wanted[name]
-                if name not in present:
-                    raise ValueError(f"{file}: tensor {name}, listed in the index, is not in it")
-                array = _read_tensor(reader, name, file, var.get_value())
-                loaded.append((path, var.replace(place(name, array))))
-    return nnx.from_flat_state(loaded)
+    def tensors():
+        for file, names in _group_by_file(tensor_files, targets.shapes).items():
+            with _open(file) as reader:
+                present = set(reader.keys())
+                for name in names:
+                    if name not in present:
+                        raise ValueError(f"{file}: tensor {name}, listed in the index, is not "
+                                         "in it")
+                    yield name, _read_tensor(reader, name, file, targets.shapes[name])
+    return targets.assemble(tensors(), place)
 
 
 def _group_by_file(tensor_files: dict, wanted: dict) -> dict[Path, list[str]]:
@@ -238,7 +297,7 @@ def _is_orbax(model_dir: Path) -> bool:
             and not (model_dir / INDEX_FILE).is_file())
 
 
-def _read_orbax_state(wanted: dict, folder: Path, config: ModelConfig, place):
+def _read_orbax_state(targets: _Targets, folder: Path, config: ModelConfig, place):
     """The filled nnx state from an orbax checkpoint; names and shapes checked from its metadata
     before any tensor is read."""
     import orbax.checkpoint as ocp  # imported here: it is slow to import and most models are HF
@@ -255,9 +314,9 @@ def _read_orbax_state(wanted: dict, folder: Path, config: ModelConfig, place):
         raise ValueError(f"{folder}: not a readable orbax checkpoint (no tensor metadata)")
     shapes = {".".join(str(k.key) for k in path): tuple(leaf.shape)
               for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-    _check_names(wanted, shapes, config, folder)
-    for name, (_, var) in sorted(wanted.items()):
-        expected = tuple(var.get_value().shape)
+    _check_names(targets.shapes, shapes, config, folder)
+    for name, struct in sorted(targets.shapes.items()):
+        expected = tuple(struct.shape)
         if shapes[name] != expected:
             raise ValueError(f"{folder}: tensor {name} has shape {shapes[name]}, the config "
                              f"implies {expected}")
@@ -268,12 +327,12 @@ def _read_orbax_state(wanted: dict, folder: Path, config: ModelConfig, place):
         raise ValueError(f"{folder}: cannot read the orbax checkpoint ({err})") from err
     arrays = {".".join(str(k.key) for k in path): leaf
               for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
-    loaded = []
-    for name, (path, var) in sorted(wanted.items()):
-        array = np.asarray(arrays[name])
-        if not jnp.issubdtype(array.dtype, jnp.floating):
-            raise ValueError(f"{folder}: tensor {name} has dtype {array.dtype}, expected "
-                             "floating point")
-        array = array.astype(var.get_value().dtype, copy=False)
-        loaded.append((path, var.replace(place(name, array))))
-    return nnx.from_flat_state(loaded)
+
+    def tensors():
+        for name, struct in sorted(targets.shapes.items()):
+            array = np.asarray(arrays[name])
+            if not jnp.issubdtype(array.dtype, jnp.floating):
+                raise ValueError(f"{folder}: tensor {name} has dtype {array.dtype}, expected "
+                                 "floating point")
+            yield name, array.astype(struct.dtype, copy=False)
+    return targets.assemble(tensors(), place)

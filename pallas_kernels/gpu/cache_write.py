@@ -1,18 +1,26 @@
-"""GPU cache write (Pallas Triton): new keys/values scattered into their pages by slot, in place.
+"""GPU cache writes (Pallas Triton): new keys/values scattered into their pages by slot, in place.
 
-The same contract as `pallas_kernels.reference.write_to_pages` (the XLA scatter, also the oracle):
-the pages are aliased input -> output, so with the caller's buffers donated nothing but the new
-rows is written. On the H200 it takes 0.61-0.69x XLA's scatter time at 256 tokens and 0.15-0.17x
-at 2048 (benchmarks/results/kernels_h200.md). The grid runs `tokens_per_program` tokens (all kv
-heads) per program.
+`write_to_pages`: the same contract as `pallas_kernels.reference.write_to_pages` (the XLA
+scatter, also the oracle): the pages are aliased input -> output, so with the caller's buffers
+donated nothing but the new rows is written. On the H200 it takes 0.61-0.69x XLA's scatter time at
+256 tokens and 0.15-0.17x at 2048 (benchmarks/results/kernels_h200.md). The grid runs
+`tokens_per_program` tokens (all kv heads) per program.
+
+`rotate_and_write`: the same from a layer's packed q/k/v projection (reference:
+`reference.rotate_and_write`): one launch rotates the queries (returned) and the keys, and writes
+keys and values, reading the projection where it lies. Apart, XLA ran the query rotation, the key
+rotation and the value slice as three fusions before the write, four launches per layer
+(7.5 us per layer of the 8B shape at batch 64 on the H200).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._compat import pl, plgpu, triton_params
+from pallas_kernels._validate import check_power_of_two
 from pallas_kernels.reference import check_page_layout
 
 
@@ -70,3 +78,101 @@ def write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, interpret=Fa
         interpret=interpret,
         name="jpaged_cache_write_triton",
     )(slot_mapping, k_new, v_new, k_pages, v_pages)
+
+
+def _rotate_write_kernel(slots_ref, qkv_ref, cos_ref, sin_ref, _k_in, _v_in, q_ref, k_pages_ref,
+                         v_pages_ref, *, num_heads, num_kv_heads, tokens_per_program,
+                         heads_per_tile):
+    """slots [T]; qkv [T, H + 2K, D]; cos, sin [T, D] f32; q [T, H, D] (out); pages [K, N, S, D]
+    (the whole pool, aliased). The tiles divide T and the heads exactly, so only the page writes
+    of skipped tokens are masked (they address the sink slot 0, see _write_kernel)."""
+    block_size = k_pages_ref.shape[2]
+    head_dim = qkv_ref.shape[-1]
+    half = head_dim // 2
+    token = pl.program_id(0) * tokens_per_program + jnp.arange(tokens_per_program)
+    dims = jnp.arange(head_dim)
+    partner = jnp.where(dims < half, dims + half, dims - half)   # rotate_half's source column
+    sign = jnp.where(dims < half, -1.0, 1.0).astype(jnp.float32)
+    table = (token[:, None], dims[None, :])
+    # cast to the activations' dtype first, as transformers (and the reference) do
+    cos = plgpu.load(cos_ref.at[table]).astype(qkv_ref.dtype).astype(jnp.float32)[:, None, :]
+    sin = plgpu.load(sin_ref.at[table]).astype(qkv_ref.dtype).astype(jnp.float32)[:, None, :]
+    tile = jnp.arange(heads_per_tile)
+
+    def at(head, columns):   # [C, Hs, D] index of (token, head, column)
+        return (token[:, None, None], head[None, :, None], columns[None, None, :])
+
+    def rotated(head):
+        x = plgpu.load(qkv_ref.at[at(head, dims)]).astype(jnp.float32)
+        x_half = plgpu.load(qkv_ref.at[at(head, partner)]).astype(jnp.float32)
+        return x * cos + sign * x_half * sin
+
+    for first in range(0, num_heads, heads_per_tile):
+        plgpu.store(q_ref.at[at(first + tile, dims)],
+                    rotated(first + tile).astype(q_ref.dtype))
+
+    slot = plgpu.load(slots_ref.at[token])
+    live = jnp.broadcast_to((slot >= 0)[:, None, None],
+                            (tokens_per_program, heads_per_tile, head_dim))
+    slot = jnp.maximum(slot, 0)
+    for first in range(0, num_kv_heads, heads_per_tile):
+        head = first + tile
+        target = (head[None, :, None], (slot // block_size)[:, None, None],
+                  (slot % block_size)[:, None, None], dims[None, None, :])
+        keys = rotated(num_heads + head)
+        plgpu.store(k_pages_ref.at[target], keys.astype(k_pages_ref.dtype), mask=live)
+        values = plgpu.load(qkv_ref.at[at(num_heads + num_kv_heads + head, dims)])
+        plgpu.store(v_pages_ref.at[target], values.astype(v_pages_ref.dtype), mask=live)
+
+
+def _largest_power_of_two_dividing(value: int, cap: int) -> int:
+    size = 1
+    while size * 2 <= cap and value % (size * 2) == 0:
+        size *= 2
+    return size
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "interpret", "num_warps"))
+def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads,
+                     interpret=False, num_warps=4):
+    """qkv [T, H + 2K, D] -> (q [T, H, D] rotated, k_pages, v_pages with the rotated keys and
+    the values written at slot_mapping [T], -1 skips); cos, sin [T, D] float32.
+
+    k_pages, v_pages: [K, N, S, D], aliased to the outputs as in `write_to_pages`. A program
+    takes up to 4 tokens and walks the heads in tiles of up to 8, sizes that divide T and
+    gcd(H, K) exactly.
+    """
+    check_page_layout(k_pages, v_pages, head_dim=qkv.shape[-1])
+    num_kv_heads = k_pages.shape[0]
+    if qkv.ndim != 3 or qkv.shape[1] != num_heads + 2 * num_kv_heads:
+        raise ValueError(f"qkv must be [T, {num_heads} + 2 x {num_kv_heads}, D], got "
+                         f"{qkv.shape}")
+    num_tokens, _, head_dim = qkv.shape
+    check_power_of_two("head dim", head_dim, 2)
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (num_tokens, head_dim) or table.dtype != jnp.float32:
+            raise ValueError(f"{name} must be float32 [{num_tokens}, {head_dim}], got "
+                             f"{table.dtype} {table.shape}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != jnp.int32:
+        raise ValueError(f"slot_mapping must be int32 [{num_tokens}], got "
+                         f"{slot_mapping.dtype} {slot_mapping.shape}")
+    tokens_per_program = _largest_power_of_two_dividing(num_tokens, 4)
+    heads_per_tile = _largest_power_of_two_dividing(math.gcd(num_heads, num_kv_heads), 8)
+    whole = lambda array: pl.BlockSpec(array.shape, lambda i: (0,) * array.ndim)  # noqa: E731
+    q_shape = jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), qkv.dtype)
+    kernel = functools.partial(_rotate_write_kernel, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, tokens_per_program=tokens_per_program,
+                               heads_per_tile=heads_per_tile)
+    return tuple(pl.pallas_call(
+        kernel,
+        grid=(num_tokens // tokens_per_program,),
+        in_specs=[whole(slot_mapping), whole(qkv), whole(cos), whole(sin), whole(k_pages),
+                  whole(v_pages)],
+        out_specs=[whole(q_shape), whole(k_pages), whole(v_pages)],
+        out_shape=[q_shape, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={4: 1, 5: 2},
+        compiler_params=triton_params(num_warps, 1),
+        interpret=interpret,
+        name="jpaged_rotate_write_triton",
+    )(slot_mapping, qkv, cos, sin, k_pages, v_pages))

@@ -1,0 +1,114 @@
+"""Packed projections: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj`, and the map
+between their rows and Hugging Face's separate tensors.
+
+Why: one GEMM reads each packed weight. Kept apart, XLA on the H200 merged the q/k/v products
+into one GEMM over weights it concatenated again every step (a 48 MB copy per layer of the 8B
+shape); packed, the decode step at batch 64 fell from 8.19 to 7.07 ms with cuBLAS GEMMs
+(benchmarks/results/roofline_8b_h200.md).
+
+Row layout for P tensor-parallel shards (P = 1 without a mesh): the packed weight [R, E] is split
+along R into P equal blocks, and block i holds what shard i needs, in order: its query heads'
+rows, its kv heads' K rows, their V rows (qkv); or its slice of gate's rows, then the same slice
+of up's (gate/up). The column-parallel split is then local, and reshaping the product to
+[..., P, rows per shard] recovers each part. With more shards than kv heads, every shard holds
+the K/V rows of the kv head it reads (`parallel.num_cache_kv_heads`), so those rows appear more
+than once. Everything outside the model (checkpoints, transformers, the loader's checks) sees
+Hugging Face's names; `Packing` converts both ways.
+"""
+
+import dataclasses
+
+import numpy as np
+
+# packed module name -> its Hugging Face parts, in the order their rows are packed
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How one packed parameter's rows come from its parts.
+
+    parts: the parts' names (Hugging Face module or tensor names); part_rows: rows of each;
+    rows: row r of the packed parameter is row rows[r] of the parts stacked along axis 0.
+    """
+    parts: tuple[str, ...]
+    part_rows: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    def pack(self, arrays):
+        """The packed array from the parts (numpy or jax arrays, in `parts` order)."""
+        stacked = _concatenate(arrays)
+        return stacked[np.asarray(self.rows)]
+
+    def unpack(self, packed) -> dict:
+        """{part name: its array}, each row taken from its first copy in `packed`."""
+        rows = np.asarray(self.rows)
+        first = np.full(sum(self.part_rows), -1)
+        first[rows[::-1]] = np.arange(len(rows))[::-1]  # the last write wins: the first copy
+        starts = np.cumsum((0,) + self.part_rows)
+        return {name: packed[first[start:end]]
+                for name, start, end in zip(self.parts, starts[:-1], starts[1:])}
+
+    def renamed(self, parts: tuple[str, ...]) -> "Packing":
+        return dataclasses.replace(self, parts=parts)
+
+
+def _concatenate(arrays):
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        return np.concatenate(arrays, axis=0)
+    import jax.numpy as jnp
+    return jnp.concatenate(arrays, axis=0)
+
+
+def qkv_packing(num_heads: int, num_kv_heads: int, head_dim: int, shards: int) -> Packing:
+    """q [H*D], k [K*D], v [K*D] rows -> shards x (H/P query heads, C/P kv heads of K, of V),
+    C = max(K, P) cache kv heads (a kv head repeated on every shard that reads it)."""
+    cache_heads = max(num_kv_heads, shards)
+    local_q, local_kv = num_heads // shards, cache_heads // shards
+    heads = []  # row offsets of each head, in packed order
+    for shard in range(shards):
+        heads += [h for h in range(shard * local_q, (shard + 1) * local_q)]
+        kv = [c * num_kv_heads // cache_heads
+              for c in range(shard * local_kv, (shard + 1) * local_kv)]
+        heads += [num_heads + g for g in kv] + [num_heads + num_kv_heads + g for g in kv]
+    rows = (np.asarray(heads)[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
+    return Packing(PACKED["qkv_proj"], (num_heads * head_dim, num_kv_heads * head_dim,
+                                        num_kv_heads * head_dim), tuple(rows.tolist()))
+
+
+def gate_up_shards(intermediate_size: int, shards: int) -> int:
+    """Row blocks of gate/up: one per shard when the intermediate size divides, else 1 (the
+    weight is then replicated, `parallel.param_spec`)."""
+    return shards if intermediate_size % shards == 0 else 1
+
+
+def gate_up_packing(intermediate_size: int, shards: int) -> Packing:
+    """gate [F], up [F] rows -> blocks x (F/blocks of gate, the same of up)."""
+    blocks = gate_up_shards(intermediate_size, shards)
+    local = intermediate_size // blocks
+    rows = np.arange(2 * intermediate_size).reshape(2, blocks, local).transpose(1, 0, 2)
+    return Packing(PACKED["gate_up_proj"], (intermediate_size, intermediate_size),
+                   tuple(rows.reshape(-1).tolist()))
+
+
+def packing_for(name: str, config, shards: int) -> Packing | None:
+    """The Packing of parameter `name` (e.g. 'model.layers.0.self_attn.qkv_proj.weight') with
+    its parts named as checkpoint tensors, or None for a parameter that is not packed."""
+    module, _, kind = name.rpartition(".")
+    prefix, _, layer = module.rpartition(".")
+    if layer == "qkv_proj":
+        packing = qkv_packing(config.num_attention_heads, config.num_key_value_heads,
+                              config.head_dim, shards)
+    elif layer == "gate_up_proj":
+        packing = gate_up_packing(config.intermediate_size, shards)
+    else:
+        return None
+    return packing.renamed(tuple(f"{prefix}.{part}.{kind}" for part in packing.parts))
+
+
+def checkpoint_shapes(name: str, shape: tuple, config, shards: int) -> dict[str, tuple]:
+    """{checkpoint tensor name: shape} that parameter `name` of `shape` is built from."""
+    packing = packing_for(name, config, shards)
+    if packing is None:
+        return {name: tuple(shape)}
+    return {part: (rows, *shape[1:]) for part, rows in zip(packing.parts, packing.part_rows)}
