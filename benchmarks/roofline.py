@@ -8,8 +8,10 @@ loops run one after another on the device). Runs of `steps` and 2 x `steps` loop
 the first launch to the last result, and the step is their difference over `steps`: the first
 launch, which the device waits for, and the last fetch cancel out (dividing one run by its
 length, as this file did before 2026-12-01, spreads the first launch's 2-3 ms of host time over
-the run's steps). The host time of a launch is reported beside it: while it stays below the step time, the device, not the host, set the pace. Batches below the
-engine's smallest bucket (4) run padded to it, as the engine runs them.
+the run's steps). The host time of a launch (median of a run's first five, before the queue
+fills) is reported beside it: while it stays below the step time, the device, not the host, set
+the pace. Batches below the engine's smallest bucket (4) run padded to it, as the engine runs
+them.
 
 The floor is the bytes the step must read over the copy bandwidth measured in the same run (the
 best of an XLA elementwise pass and a torch device copy, bytes read + written per second): every
@@ -130,25 +132,28 @@ def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 20) -
                                     engine.config.max_model_len, 0)
 
     def run(count):
-        """(seconds from the first launch to the last result, launch seconds, the batch
-        bucket) of count loops."""
+        """(seconds from the first launch to the last result, median seconds of the first five
+        launches, the batch bucket) of count loops. Later launches can wait for the device
+        once enough loops are queued, so only the first ones time the host's own work."""
         start = time.perf_counter()
+        launch_seconds = []
         for _ in range(count):
+            launch_start = time.perf_counter()
             launched = launch()
-        dispatched = time.perf_counter() - start
+            launch_seconds.append(time.perf_counter() - launch_start)
         jax.block_until_ready(launched.result)
         seconds = time.perf_counter() - start
         result = runner.fetch_decode(launched, batch)
         if bool(result.out_of_blocks) or int(np.max(result.done_at)) >= 0:
             raise RuntimeError("a timed decode loop ran out of blocks or stopped a sequence")
-        return seconds, dispatched, int(launched.batch[0])
+        return seconds, float(np.median(launch_seconds[:5])), int(launched.batch[0])
 
     first_start = time.perf_counter()
     for _ in range(warm):
         runner.fetch_decode(launch(), batch)
     first_seconds = time.perf_counter() - first_start
-    short, _, _ = run(steps)
-    long, dispatched, padded = run(2 * steps)
+    short, dispatched, _ = run(steps)
+    long, _, padded = run(2 * steps)
     for _ in range(loops):
         assert mirror.append([(s, 1) for s in range(batch)])[0]
     mirror.free(list(range(batch)))
@@ -158,7 +163,7 @@ def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 20) -
     # iteration j (0-based, the warm ones included) attends over context + j + 1 tokens
     mean_context = float(np.mean([context + j + 1 for j in range(warm, loops)]))
     return dict(batch=batch, bucket=padded, context=context,
-                seconds=(long - short) / steps, dispatch_seconds=dispatched / (2 * steps),
+                seconds=(long - short) / steps, dispatch_seconds=dispatched,
                 context_tokens=batch * mean_context, first_calls_seconds=first_seconds)
 
 
