@@ -1,10 +1,10 @@
 """Packed projections: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj`, and the map
 between their rows and Hugging Face's separate tensors.
 
-Why: one GEMM reads each packed weight. Kept apart, XLA on the H200 merged the q/k/v products
-into one GEMM over weights it concatenated again every step (a 48 MB copy per layer of the 8B
-shape); packed, the decode step at batch 64 fell from 8.19 to 7.07 ms with cuBLAS GEMMs
-(benchmarks/results/roofline_8b_h200.md).
+Why: one GEMM reads each packed weight. Kept apart on the H200 (8B shape, batch 64), XLA merged
+the q/k/v products into one Triton GEMM (23.2 us per layer) or, with cuBLAS, concatenated the
+weights again every step (a 26 us copy of 48 MB per layer) before a 15.8 us GEMM; packed, one
+cuBLAS GEMM takes 16.2 us (benchmarks/results/roofline_8b_h200.md).
 
 Row layout for P tensor-parallel shards (P = 1 without a mesh): the packed weight [R, E] is split
 along R into P equal blocks, and block i holds what shard i needs, in order: its query heads'
