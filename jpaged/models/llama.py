@@ -37,12 +37,17 @@ class LlamaAttention(nnx.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
                              use_bias=config.o_proj_bias, dtype=dtype, rngs=rngs)
 
+    def packed_heads(self, x):
+        """x [..., E] -> the packed projection as [..., P, H/P + 2C/P, D]: per shard, its query
+        heads, then its cache kv heads' keys, then their values (`packing.qkv_packing`)."""
+        return self.qkv_proj(x).reshape(*x.shape[:-1], self.shards, -1, self.head_dim)
+
     def project_qkv(self, x):
         """x [..., E] -> q [..., H, D], k and v [..., C, D], before rotation (for dense uses,
         e.g. tools/train_tiny.py; the paged step rotates and writes in one kernel)."""
         lead, shards = x.shape[:-1], self.shards
         local_q, local_kv = self.num_heads // shards, self.num_cache_kv_heads // shards
-        qkv = self.qkv_proj(x).reshape(*lead, shards, local_q + 2 * local_kv, self.head_dim)
+        qkv = self.packed_heads(x)
         heads = lambda start, count: qkv[..., start:start + count, :].reshape(  # noqa: E731
             *lead, shards * count, self.head_dim)
         return heads(0, local_q), heads(local_q, local_kv), heads(local_q + local_kv, local_kv)
@@ -50,9 +55,8 @@ class LlamaAttention(nnx.Module):
     def __call__(self, x, cos, sin, cache: kv.KVCache, metadata: AttentionMetadata):
         """x [T, E], cos/sin [T, D] -> ([T, E], cache with this step's K/V written)."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).reshape(num_tokens, self.shards, -1, self.head_dim)
         q, cache = kv.rotate_and_write_layer(                                  # q [T, H, D]
-            cache, self.layer_index, qkv, cos, sin, metadata.slot_mapping,
+            cache, self.layer_index, self.packed_heads(x), cos, sin, metadata.slot_mapping,
             backend=metadata.backend, interpret=metadata.interpret, mesh=self.mesh)
         out = paged_attention(q, cache.k_pages[self.layer_index], cache.v_pages[self.layer_index],
                               metadata, scale=self.head_dim ** -0.5, mesh=self.mesh)
