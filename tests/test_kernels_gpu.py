@@ -289,20 +289,21 @@ def rotate_write_problem(num_heads, num_kv_heads, head_dim, dtype, num_tokens, s
     return qkv, cos, sin, k_pages, v_pages, jnp.asarray(slots)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,num_tokens", [
-    (4, 4, 16, F32, 12), (8, 2, 64, BF16, 13), (4, 1, 32, BF16, 6), (28, 4, 128, BF16, 8),
-    (16, 8, 16, F32, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,num_tokens,tokens_per_program", [
+    (4, 4, 16, F32, 12, None), (8, 2, 64, BF16, 13, None), (4, 1, 32, BF16, 6, None),
+    (28, 4, 128, BF16, 8, None), (16, 8, 16, F32, 2, None), (4, 4, 16, F32, 12, 4),
+    (8, 2, 64, BF16, 8, 2)])
 def test_rotate_and_write_equals_reference(num_heads, num_kv_heads, head_dim, dtype,
-                                           num_tokens):
+                                           num_tokens, tokens_per_program):
     """Rotated queries and keys within the dtype's tolerance of the reference (one rounding
     where XLA may round per operation), values bit-identical; skipped slots and every other
     slot untouched. Token counts that are odd or not a multiple of 4, head counts not a
-    power of two."""
+    power of two, one token or several per program."""
     args = rotate_write_problem(num_heads, num_kv_heads, head_dim, dtype, num_tokens)
     want_q, want_k, want_v = jax.jit(functools.partial(reference.rotate_and_write,
                                                        num_heads=num_heads))(*args)
-    q, k_pages, v_pages = cache_write.rotate_and_write(*args, num_heads=num_heads,
-                                                       interpret=INTERPRET)
+    q, k_pages, v_pages = cache_write.rotate_and_write(
+        *args, num_heads=num_heads, interpret=INTERPRET, tokens_per_program=tokens_per_program)
     tolerance = dict(rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     assert q.shape == want_q.shape and q.dtype == dtype and k_pages.dtype == dtype
     np.testing.assert_allclose(np.asarray(q, np.float32), np.asarray(want_q, np.float32),
@@ -332,6 +333,9 @@ def test_rotate_and_write_rejects_bad_shapes():
     with pytest.raises(ValueError, match="slot_mapping"):
         cache_write.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slots[:-1], num_heads=4,
                                      interpret=INTERPRET)
+    with pytest.raises(ValueError, match="tokens_per_program"):
+        cache_write.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slots, num_heads=4,
+                                     interpret=INTERPRET, tokens_per_program=3)
 
 
 # --- compiled on a GPU only: realistic shapes -----------------------------------------------
