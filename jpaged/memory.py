@@ -183,12 +183,16 @@ def _drop_references(state: BlockManagerState, ids) -> BlockManagerState:
     """ids [P] (num_blocks = none): each loses one reference; blocks reaching zero go back on the
     stack in first-occurrence order."""
     refcounts = state.refcounts.at[ids].add(-1, mode="drop")
-    order = jnp.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    first_sorted = jnp.concatenate([jnp.ones(1, bool), sorted_ids[1:] != sorted_ids[:-1]])
-    is_first = jnp.zeros_like(first_sorted).at[order].set(first_sorted)
+    # An id's first occurrence is the smallest position holding it: a scatter-min over the
+    # blocks, not a sort of ids (the decode loop frees B x M entries every step; the argsort
+    # was 27 us of an 8B step at B = 64 on the H200, the scatter is a few).
+    position = jnp.arange(ids.shape[0], dtype=jnp.int32)
     in_range = ids < state.num_blocks
-    released = in_range & is_first & (refcounts[jnp.minimum(ids, state.num_blocks - 1)] == 0)
+    block = jnp.minimum(ids, state.num_blocks - 1)
+    first_at = jnp.full(state.num_blocks, ids.shape[0], jnp.int32).at[ids].min(
+        position, mode="drop")
+    is_first = first_at[block] == position
+    released = in_range & is_first & (refcounts[block] == 0)
     rank = jnp.cumsum(released) - released
     push_at = jnp.where(released, state.num_free + rank, state.num_blocks)
     free_stack = state.free_stack.at[push_at].set(ids, mode="drop")

@@ -288,3 +288,27 @@ def test_init_validates(bad):
     args = dict(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
         memory.init_state(**args)
+
+
+def test_freeing_shared_blocks_pushes_each_once_in_first_occurrence_order():
+    """A parent and its fork freed together: their shared blocks appear twice in the freed ids,
+    reach zero references once, and go back on the stack once, in first-occurrence order."""
+    state = memory.init_state(16, 4, 3, 4)
+    state, _ = memory.allocate_prompt(state, jnp.array([0, 2]), jnp.array([9, 5]),
+                                      max_prompt_len=12)
+    state = memory.fork_seqs(state, jnp.array([0]), jnp.array([1]))
+    tables = np.asarray(state.block_tables)
+    num_free = int(state.num_free)
+    state = free_jit(state, jnp.array([2, 1, 0]))   # seq 2's blocks first, then 1's = 0's
+    expected = list(tables[2, :2]) + list(tables[1, :3])
+    assert int(state.num_free) == num_free + len(expected)
+    assert np.asarray(state.free_stack[num_free:int(state.num_free)]).tolist() == expected
+    assert np.all(np.asarray(state.refcounts)[expected] == 0)
+
+    state, _ = memory.allocate_prompt(state, jnp.array([0]), jnp.array([4]), max_prompt_len=12)
+    block = int(state.block_tables[0, 0])
+    state = memory.free_seqs(memory.retain_blocks(state, jnp.array([block, block, -1])),
+                             jnp.array([0]))
+    num_free = int(state.num_free)
+    state = release_jit(state, jnp.array([block, -1, block]))   # its last two references
+    assert int(state.num_free) == num_free + 1 and int(state.free_stack[num_free]) == block
