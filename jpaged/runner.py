@@ -354,7 +354,8 @@ class ModelRunner:
         if self.swap_store is not None:
             jobs.append(("swap", 0, 0))
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
-        mode_rows = {"random": pad_row,  # a row that needs exactly this sampler mode
+        mode_rows = {"greedy": pad_row,  # a row that needs exactly this sampler mode
+                     "random": SamplingRow(SamplingParams(temperature=1.0), 0, 0, 0),
                      "sort": SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, 0, 0)}
         for job, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
             kind, _, mode = job.partition(":")

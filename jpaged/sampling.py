@@ -229,16 +229,19 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [B, L] float32 their logprobs, descending
 
 
-SAMPLER_MODES = ("random", "sort")
+SAMPLER_MODES = ("greedy", "random", "sort")
 
 
 def sampler_mode(rows: Sequence[SamplingRow]) -> str:
-    """The static sampler path for these rows, decided on the host: "sort" when some sampled row
-    filters with top_k/top_p, else "random" (noise drawn, no sort; greedy rows ignore the noise,
-    which costs far less than a second compiled variant per batch bucket would at warm-up)."""
-    return "sort" if any(row.params.temperature >= GREEDY_TEMPERATURE
-                         and (row.params.top_k > 0 or row.params.top_p < 1.0)
-                         for row in rows) else "random"
+    """The static sampler path for these rows, decided on the host: "greedy" when every row is
+    greedy (argmax only), "sort" when some sampled row filters with top_k/top_p, else "random"
+    (noise drawn, no sort; greedy rows ignore the noise). Drawing the noise for an all-greedy
+    batch cost 50 us of an 8B decode step at B = 64 on the H200 (of 7.2 ms), and grows with B."""
+    sampled = [row.params for row in rows if row.params.temperature >= GREEDY_TEMPERATURE]
+    if not sampled:
+        return "greedy"
+    return "sort" if any(params.top_k > 0 or params.top_p < 1.0 for params in sampled) \
+        else "random"
 
 
 def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0,
@@ -272,6 +275,8 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
             jnp.all(is_greedy),
             lambda: greedy_ids,
             lambda: jnp.where(is_greedy, greedy_ids, _sample_random(logits, tensors, is_greedy)))
+    elif mode == "greedy":
+        token_ids = greedy_ids
     elif mode in SAMPLER_MODES:
         token_ids = jnp.where(is_greedy, greedy_ids,
                               _sample_random(logits, tensors, is_greedy, sort=mode == "sort"))

@@ -375,12 +375,14 @@ def _primitives(jaxpr, counts=None):
 def test_decode_loop_has_no_data_dependent_control_flow(hf_checkpoints):
     """No while predicate and no cond: on a GPU each would make the dispatching thread wait for
     the device every iteration, and async scheduling could not overlap the host. The sampler's
-    sort is in the loop only when a row needs it (decided on the host)."""
+    sort is in the loop only when a row needs it, its noise only when a row samples (both
+    decided on the host)."""
     from jpaged.device_step import decode_loop_impl
     from jpaged.sampling import SamplingRow
     runner = engine(hf_checkpoints["llama_gqa"], 4).runner
     counts = {}
-    for mode, params in [("random", SamplingParams(temperature=1.0, min_p=0.1)),
+    for mode, params in [("greedy", SamplingParams(temperature=0.0, top_k=5)),
+                         ("random", SamplingParams(temperature=1.0, min_p=0.1)),
                          ("sort", SamplingParams(temperature=1.0, top_k=5))]:
         launched = runner.launch_decode([(-1, 0)] * 4, [SamplingRow(params, 0, 0, 0)] * 4,
                                         [0] * 4, [[]] * 4, 4, 4, 128, 0)
@@ -393,6 +395,8 @@ def test_decode_loop_has_no_data_dependent_control_flow(hf_checkpoints):
             jax.numpy.ones(5, jax.numpy.int32)).jaxpr)
         assert counts[mode]["scan"] and not counts[mode]["while"] + counts[mode]["cond"], mode
     assert counts["random"]["sort"] < counts["sort"]["sort"]
+    draws = {mode: count["random_bits"] + count["threefry2x32"] for mode, count in counts.items()}
+    assert draws["greedy"] == 0 < draws["random"]   # an all-greedy batch draws no noise
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -251,7 +251,8 @@ def test_bad_shapes_raise_value_error_naming_the_argument():
 
 
 @pytest.mark.parametrize("rows_params,mode", [
-    ([SamplingParams(temperature=0.0)] * 3, "random"),
+    ([SamplingParams(temperature=0.0)] * 3, "greedy"),
+    ([SamplingParams(temperature=0.0, top_k=3, top_p=0.5)] * 2, "greedy"),
     ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, min_p=0.05),
       SamplingParams(temperature=1.3, seed=4)], "random"),
     ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8),
