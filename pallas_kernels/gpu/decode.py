@@ -23,6 +23,7 @@ from pallas_kernels._compat import dot_f32, pl, plgpu, triton_params
 from pallas_kernels._validate import check_decode_args, check_power_of_two
 
 _NUM_SMS = 132  # H100/H200 SXM: the default tiling fills them with one wave of programs
+_MANY_PROGRAMS = 1024  # from here on (about 8 per SM) 3 pipeline stages beat 4 (default_tiling)
 _MIN_DOT_ROWS = 16  # Triton's dot needs >= 16 rows: a GQA group is padded (by masked loads) to this.
 
 
@@ -109,7 +110,9 @@ def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
     """The tiling used when the caller passes None: dict(tokens_per_step, num_splits, num_stages).
 
     From the H200 sweep in benchmarks/results/kernels_h200.md (bf16, D=128, S=16):
-    - batch * kv heads >= SMs: no split; 16 KiB of K per step (64 tokens), 4 pipeline stages.
+    - batch * kv heads >= SMs: no split; 16 KiB of K per step (64 tokens), 4 pipeline stages,
+      3 from 1024 programs up (K = 8: B = 64 at 4096 tokens took 250 us with 4 stages, 285 with
+      3; B = 128 at 960: 126.6 / 124.2 us; 256 at 2048: 492 / 489; 512 at 192: 111.8 / 102.9).
     - fewer: one wave of split programs (SMs // (batch * kv heads) splits, each of >= 4 steps),
       32 KiB per step (128 tokens), 3 stages (K and V tiles of 3 stages just fit one SM).
     `max_context` is M*S (the table width), a static bound.
@@ -117,7 +120,8 @@ def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
     step_tokens = max(16, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
     programs = batch * num_kv_heads
     if programs >= _NUM_SMS:
-        return dict(tokens_per_step=step_tokens, num_splits=1, num_stages=4)
+        return dict(tokens_per_step=step_tokens, num_splits=1,
+                    num_stages=3 if programs >= _MANY_PROGRAMS else 4)
     step_tokens *= 2
     max_splits = max(1, pl.cdiv(max_context, step_tokens) // 4)
     return dict(tokens_per_step=step_tokens, num_splits=min(_NUM_SMS // programs, max_splits),
