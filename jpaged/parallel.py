@@ -4,7 +4,7 @@ data-parallel replicas, and the multi-host start.
 
 One mesh axis, AXIS ("tp"). Parameters are split the Megatron way, by their names: the packed
 qkv_proj and gate_up_proj are column-parallel (output features: whole attention heads, MLP
-columns, with rows ordered so each device's block is its own; see `jpaged.models.packing`), o and
+columns, ordered so each device's block is its own; see `jpaged.models.packing`), o and
 down are row-parallel (input features), so each decoder block ends in a partial sum that XLA
 all-reduces; no collective is written here. The embedding table is split along the hidden axis
 (a local lookup, then an all-gather of [T, E]) and the LM head along the vocabulary (logits
@@ -13,7 +13,7 @@ does not divide by the mesh size stays replicated.
 
 The KV cache [K, N, S, D] is split along K. With more devices than kv heads, the cache holds
 `num_cache_kv_heads` = mesh size heads, each kv head repeated on mesh_size / K devices next to the
-query heads that read it; each device's block of qkv_proj then holds its kv head's rows, and the
+query heads that read it; each device's block of qkv_proj then holds its kv head's columns, and the
 model writes every copy.
 The kernels see only their device's heads: `per_shard` runs them under shard_map. The block
 manager and the step inputs are replicated.
@@ -31,9 +31,9 @@ HEADS = PartitionSpec(None, AXIS)     # [T, H or K, D]: heads split
 PAGES = PartitionSpec(AXIS)           # [K, N, S, D]: kv heads split
 REPLICATED = PartitionSpec()
 
-# Parameter name suffix -> which axis of it is split (Hugging Face [out, in] Linear layout).
-_COLUMN = ("qkv_proj", "gate_up_proj", "lm_head")   # axis 0 (out)
-_ROW = ("o_proj", "down_proj")                     # axis 1 (in)
+# Projection weights are stored [in, out] (`packing.is_transposed`); lm_head is [V, E].
+_COLUMN = ("qkv_proj", "gate_up_proj")   # split the outputs: weight axis 1, bias axis 0
+_ROW = ("o_proj", "down_proj")           # split the inputs: weight axis 0
 
 
 def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh | None:
@@ -96,9 +96,11 @@ def param_spec(name: str, shape, config, size: int) -> PartitionSpec:
     if layer == "gate_up_proj" and config.intermediate_size % size:
         return REPLICATED  # its rows are not in per-device blocks (packing.gate_up_shards)
     if layer in _COLUMN:
-        spec = (AXIS,) if kind == "bias" else (AXIS, None)
+        spec = (AXIS,) if kind == "bias" else (None, AXIS)
     elif layer in _ROW and kind == "weight":
-        spec = (None, AXIS)
+        spec = (AXIS, None)
+    elif layer == "lm_head":
+        spec = (AXIS, None)
     elif layer == "embed_tokens":
         spec = (None, AXIS)
     else:

@@ -98,9 +98,9 @@ def _describe(llm) -> dict:
 
 
 def _qkv_blocks_local(llm) -> bool:
-    """Each device's block of the packed qkv weight holds exactly the q rows of its query heads
-    and the k and v rows of the kv head(s) it caches, so the column split needs no
-    communication."""
+    """Each device's block of the packed qkv weight ([in, out]) holds exactly the q features of
+    its query heads and the k and v features of the kv head(s) it caches, so the column split
+    needs no communication."""
     import numpy as np
     from flax import nnx
 
@@ -118,8 +118,8 @@ def _qkv_blocks_local(llm) -> bool:
     cache_heads = max(kv_heads, devices)
     rows = lambda part, head: hf[part][head * dim:(head + 1) * dim]  # noqa: E731
     for shard in weight.addressable_shards:
-        block = shard.index[0].start or 0
-        device = block // (weight.shape[0] // devices)
+        block = shard.index[1].start or 0
+        device = block // (weight.shape[1] // devices)
         q_heads = range(device * heads // devices, (device + 1) * heads // devices)
         kv = [c * kv_heads // cache_heads
               for c in range(device * cache_heads // devices,
@@ -127,7 +127,7 @@ def _qkv_blocks_local(llm) -> bool:
         expected = np.concatenate([rows("q_proj", h) for h in q_heads]
                                   + [rows("k_proj", g) for g in kv]
                                   + [rows("v_proj", g) for g in kv])
-        if not np.array_equal(np.asarray(shard.data), expected):
+        if not np.array_equal(np.asarray(shard.data), expected.T):
             return False
     return True
 

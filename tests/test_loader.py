@@ -39,7 +39,7 @@ def test_sharded_checkpoint_loads_every_tensor_exactly(hf_checkpoints):
         np.testing.assert_array_equal(np.asarray(array), tensors[name], err_msg=name)
     attn = model.model.layers[1].self_attn   # packed in q, k, v order (one shard)
     np.testing.assert_array_equal(np.asarray(attn.qkv_proj.weight[...]), np.concatenate(
-        [tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
+        [tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]).T)  # [in, out]
     assert config.architecture == "LlamaForCausalLM" and config.num_hidden_layers == 2
 
 

@@ -213,8 +213,10 @@ def test_parameter_shapes_follow_config(arch, biases):
                                                     rngs=nnx.Rngs(0)))
     assert (model.lm_head is None) == config.tie_word_embeddings
     attn = model.model.layers[1].self_attn
-    assert attn.qkv_proj.weight.shape == (48 + 2 * 24, 32)   # q, k, v rows packed
-    assert model.model.layers[1].mlp.gate_up_proj.weight.shape == (2 * 48, 32)
+    assert attn.qkv_proj.weight.shape == (32, 48 + 2 * 24)   # [in, out]: q, k, v packed
+    assert model.model.layers[1].mlp.gate_up_proj.weight.shape == (32, 2 * 48)
+    assert model.model.layers[1].mlp.down_proj.weight.shape == (48, 32)
+    assert (model.lm_head or model.model.embed_tokens).weight.shape == (50, 32)
     assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None,
             model.model.layers[1].mlp.gate_up_proj.bias is not None) == biases
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))

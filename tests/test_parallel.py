@@ -68,15 +68,17 @@ def test_greedy_tokens_identical_at_tp_1_2_4(report):
 
 
 def test_weights_split_megatron_style(report):
-    column, row = ["tp", None], [None, "tp"]
+    # projection weights are [in, out]: column-parallel splits axis 1, row-parallel axis 0;
+    # the embedding [V, E] splits E, the LM head [V, E] splits V
+    column, row = [None, "tp"], ["tp", None]
     for size in ("2", "4"):
         params = report[size]["params"]
         assert report[size]["param_devices"] == int(size)
         assert params["qkv"] == params["gate_up"] == column
         assert params["o"] == params["down"] == row
-        assert params["embed"] == row and params["lm_head"] == column
+        assert params["embed"] == column and params["lm_head"] == row
         assert params["norm"] == []
-        # 2 kv heads on 4 devices: each device's qkv block holds its kv head's rows
+        # 2 kv heads on 4 devices: each device's qkv block holds its kv head's features
         assert report[size]["qkv_blocks_local"]
     assert report["1"]["param_devices"] == 1 and report["1"]["params"]["qkv"] == []
     assert report["dummy_same_on_mesh"]   # random weights: the same model at every TP size
@@ -109,10 +111,10 @@ def test_tp8_greedy_tokens_identical_to_tp1(report8):
 
 def test_tp8_splits_weights_and_repeats_each_kv_head_on_four_devices(report8):
     one, eight = report8["1"], report8["8"]
-    params, column, row = eight["params"], ["tp", None], [None, "tp"]
+    params, column, row = eight["params"], [None, "tp"], ["tp", None]   # [in, out] weights
     assert eight["param_devices"] == 8 and one["param_devices"] == 1
-    assert params["qkv"] == params["gate_up"] == params["lm_head"] == column
-    assert params["o"] == params["down"] == params["embed"] == row and params["norm"] == []
+    assert params["qkv"] == params["gate_up"] == params["embed"] == column
+    assert params["o"] == params["down"] == params["lm_head"] == row and params["norm"] == []
     assert eight["qkv_blocks_local"]   # 2 kv heads: each device's block holds its head's k/v
     assert one["cache_shape"][0] == 2 and eight["cache_shape"][0] == 8
     assert eight["cache_spec"] == ["tp"] and eight["cache_shard_shape"][0] == 1
@@ -129,14 +131,15 @@ def test_tp8_refuses_a_model_with_four_query_heads(report8):
 def test_param_spec_rules():
     config = ModelConfig.preset("llama3-8b")   # 32 heads, 8 kv heads, vocab 128256
     spec = lambda name, shape, size: parallel.param_spec(name, shape, config, size)
-    assert spec("model.layers.3.self_attn.qkv_proj.weight", (6144, 4096), 2) == P("tp", None)
-    assert spec("model.layers.3.self_attn.qkv_proj.weight", (8192, 4096), 16) == P("tp", None)
+    # projection weights are [in, out]
+    assert spec("model.layers.3.self_attn.qkv_proj.weight", (4096, 6144), 2) == P(None, "tp")
+    assert spec("model.layers.3.self_attn.qkv_proj.weight", (4096, 8192), 16) == P(None, "tp")
     assert spec("model.layers.3.self_attn.qkv_proj.bias", (6144,), 2) == P("tp")
-    assert spec("model.layers.3.mlp.gate_up_proj.weight", (28672, 4096), 8) == P("tp", None)
-    assert spec("model.layers.3.mlp.gate_up_proj.weight", (28672, 4096), 3) == P()
-    assert spec("model.layers.3.self_attn.o_proj.weight", (4096, 4096), 2) == P(None, "tp")
+    assert spec("model.layers.3.mlp.gate_up_proj.weight", (4096, 28672), 8) == P(None, "tp")
+    assert spec("model.layers.3.mlp.gate_up_proj.weight", (4096, 28672), 3) == P()
+    assert spec("model.layers.3.self_attn.o_proj.weight", (4096, 4096), 2) == P("tp", None)
     assert spec("model.layers.3.self_attn.o_proj.bias", (4096,), 2) == P()
-    assert spec("model.layers.3.mlp.down_proj.weight", (4096, 14336), 4) == P(None, "tp")
+    assert spec("model.layers.3.mlp.down_proj.weight", (14336, 4096), 4) == P("tp", None)
     assert spec("model.embed_tokens.weight", (128256, 4096), 2) == P(None, "tp")
     assert spec("lm_head.weight", (128256, 4096), 8) == P("tp", None)
     assert spec("lm_head.weight", (128255, 4096), 2) == P()   # uneven: stays whole

@@ -28,11 +28,12 @@ def _scaled_normal(key, shape, dtype, stddev):
 
 
 class Linear(nnx.Module):
-    """y = x @ weight.T (+ bias); weight: [out, in] as in torch.nn.Linear.
+    """y = x @ weight (+ bias); weight: [in, out], the transpose of torch.nn.Linear's (why, and
+    the conversion at the checkpoint boundary: `packing`).
 
-    packing (a `packing.Packing`): the weight's rows are its parts' rows, each part drawn on its
-    own and then packed, so rows that appear twice are equal; out_features is then the packed
-    row count.
+    packing (a `packing.Packing`): the weight's output features are its parts' rows, each part
+    drawn on its own ([rows, in]) and then packed, so features that appear twice are equal;
+    out_features is then the packed count.
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
@@ -44,14 +45,22 @@ class Linear(nnx.Module):
                                    for rows in packing.part_rows])
             if weight.shape[0] != out_features:
                 raise ValueError(f"packing gives {weight.shape[0]} rows, not {out_features}")
-        self.weight = nnx.Param(weight)
+        self.weight = nnx.Param(weight.T)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
     def __call__(self, x):
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        y = jnp.einsum("...i,io->...o", x, self.weight[...])
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+class LMHead(nnx.Module):
+    """The output projection's weight [V, E] (Hugging Face's `lm_head.weight`, the embedding's
+    layout); `LlamaForCausalLM.compute_logits` applies it."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (vocab_size, hidden_size), dtype))
 
 
 class Embedding(nnx.Module):

@@ -16,7 +16,7 @@ from jpaged import parallel
 from jpaged.config import ModelConfig
 from jpaged.models import packing
 from jpaged.models.attention import AttentionMetadata, paged_attention
-from jpaged.models.layers import Embedding, GatedMLP, Linear, RMSNorm, rotary_cos_sin
+from jpaged.models.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, rotary_cos_sin
 
 
 class LlamaAttention(nnx.Module):
@@ -114,8 +114,8 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.mesh = mesh
         self.model = LlamaModel(config, dtype=self.dtype, rngs=rngs, mesh=mesh)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, use_bias=False, dtype=self.dtype, rngs=rngs)
+        self.lm_head = None if config.tie_word_embeddings else LMHead(
+            config.hidden_size, config.vocab_size, dtype=self.dtype, rngs=rngs)
 
     def __call__(self, token_ids, positions, kv_cache: kv.KVCache, metadata: AttentionMetadata):
         """One step over T tokens of any mix of sequences.

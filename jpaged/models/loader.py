@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads it)
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from jpaged import parallel
@@ -70,10 +71,16 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
     targets = _Targets(config, dtype, mesh)
 
     def place(name, array):
-        """A host tensor on the device, or straight into its shards."""
-        if mesh is None:
-            return jax.device_put(array)
-        return jax.device_put(array, parallel.param_sharding(name, array.shape, config, mesh))
+        """A host tensor (packed, in the checkpoint layout) on the device as parameter `name`,
+        or straight into its shards; transposed there when the parameter is stored so."""
+        transposed = packing.is_transposed(name)
+        shape = array.shape[::-1] if transposed else array.shape
+        sharding = None if mesh is None else parallel.param_sharding(name, shape, config, mesh)
+        if not transposed:
+            return jax.device_put(array, sharding)
+        checkpoint_sharding = None if mesh is None else NamedSharding(
+            mesh, PartitionSpec(*_padded(sharding.spec, len(shape))[::-1]))
+        return _transpose_program(sharding)(jax.device_put(array, checkpoint_sharding))
 
     if _is_orbax(model_dir):
         state = _read_orbax_state(targets, model_dir / ORBAX_DIR, config, place)
@@ -132,9 +139,8 @@ def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, jax.Array]:
     shards = parallel.mesh_size(model.mesh)
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, value = _param_name(path), var.get_value()
-        packed = packing.packing_for(name, model.config, shards)
-        tensors.update({name: value} if packed is None else packed.unpack(value))
+        tensors.update(packing.to_checkpoint(_param_name(path), var.get_value(), model.config,
+                                             shards))
     return tensors
 
 
@@ -162,16 +168,18 @@ def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> L
         sharding = (None if mesh is None
                     else parallel.param_sharding(name, var.get_value().shape, config, mesh))
         draw = _draw_program(tuple(tuple(targets.shapes[p].shape) for p in parts),
-                             jnp.dtype(var.get_value().dtype).name, kind, packed, sharding)
+                             jnp.dtype(var.get_value().dtype).name, kind, packed,
+                             packing.is_transposed(name), sharding)
         keys = jnp.stack([jax.random.fold_in(root, index[p]) for p in parts])
         loaded.append((path, var.replace(draw(keys))))
     return nnx.merge(targets.graphdef, nnx.from_flat_state(loaded))
 
 
 @functools.lru_cache(maxsize=None)
-def _draw_program(shapes: tuple, dtype: str, kind: str, packed, sharding):
-    """The jitted draw of one parameter from one key per part (shapes), packed when `packed`
-    is a Packing, placed on `sharding` (None: the default device)."""
+def _draw_program(shapes: tuple, dtype: str, kind: str, packed, transposed: bool, sharding):
+    """The jitted draw of one parameter from one key per part (shapes, checkpoint layout),
+    packed when `packed` is a Packing, then transposed when `transposed`, placed on `sharding`
+    (None: the default device)."""
     def draw(keys):
         if kind == "normal":
             parts = [(DUMMY_STDDEV * jax.random.normal(keys[i], shape, jnp.float32)).astype(dtype)
@@ -179,9 +187,23 @@ def _draw_program(shapes: tuple, dtype: str, kind: str, packed, sharding):
         else:
             parts = [(jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
                      for shape in shapes]
-        return parts[0] if packed is None else packed.pack(parts)
+        value = parts[0] if packed is None else packed.pack(parts)
+        return value.T if transposed else value
 
     return jax.jit(draw) if sharding is None else jax.jit(draw, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _transpose_program(sharding):
+    """A jitted 2-D transpose onto `sharding` (None: the default device), consuming its input:
+    the device holds one projection weight twice at most while loading."""
+    if sharding is None:
+        return jax.jit(jnp.transpose, donate_argnums=0)
+    return jax.jit(jnp.transpose, out_shardings=sharding, donate_argnums=0)
+
+
+def _padded(spec, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 def load_tokenizer(model_dir):

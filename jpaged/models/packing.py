@@ -14,6 +14,13 @@ of up's (gate/up). The column-parallel split is then local, and reshaping the pr
 the K/V rows of the kv head it reads (`parallel.num_cache_kv_heads`), so those rows appear more
 than once. Everything outside the model (checkpoints, transformers, the loader's checks) sees
 Hugging Face's names; `Packing` converts both ways.
+
+Layout: the projections' weights (`is_transposed`) are stored [in, out], the transpose of the
+checkpoints' (torch.nn.Linear's) [out, in], because cuBLAS reads them faster at decode batch
+sizes. Measured on the H200 (8B shape, decode step at batch 64 / 128): 6.66 / 8.82 ms stored
+[in, out] against 6.88 / 9.06 ms [out, in]; the down projection's split-K reduce went away at
+64. Packing acts on the checkpoint layout (rows = output features); `to_checkpoint` and the
+loader transpose at the boundary.
 """
 
 import dataclasses
@@ -106,9 +113,24 @@ def packing_for(name: str, config, shards: int) -> Packing | None:
     return packing.renamed(tuple(f"{prefix}.{part}.{kind}" for part in packing.parts))
 
 
+def is_transposed(name: str) -> bool:
+    """Whether parameter `name` is stored transposed from its checkpoint tensors: the Linear
+    projections' weights ('....o_proj.weight', '....qkv_proj.weight', ...), stored [in, out]."""
+    return name.endswith("_proj.weight")
+
+
 def checkpoint_shapes(name: str, shape: tuple, config, shards: int) -> dict[str, tuple]:
     """{checkpoint tensor name: shape} that parameter `name` of `shape` is built from."""
+    shape = tuple(shape[::-1]) if is_transposed(name) else tuple(shape)
     packing = packing_for(name, config, shards)
     if packing is None:
-        return {name: tuple(shape)}
+        return {name: shape}
     return {part: (rows, *shape[1:]) for part, rows in zip(packing.parts, packing.part_rows)}
+
+
+def to_checkpoint(name: str, value, config, shards: int) -> dict:
+    """{checkpoint tensor name: array} of parameter `name`'s value: transposed back to the
+    checkpoint layout and unpacked into its parts."""
+    value = value.T if is_transposed(name) else value
+    packing = packing_for(name, config, shards)
+    return {name: value} if packing is None else packing.unpack(value)
