@@ -288,7 +288,7 @@ def main(argv=None):
         text += "\n### Decode step against its floor (roofline.py: the K=1 decode loop)\n\n" + \
             roofline.table(roofline_rows, bandwidth)
         roofline.plot(roofline_rows, out_dir / "roofline.png",
-                      f"{args.model} decode step (device) vs floor")
+                      f"{args.model} decode step (device) vs floor", bandwidth["best"])
     (out_dir / "e2e.md").write_text(text)
     if any("error" not in r for r in parts.results.values()):
         bar_chart(parts.results, out_dir / "e2e.png")

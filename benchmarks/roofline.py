@@ -17,6 +17,10 @@ The floor is the bytes the step must read over the copy bandwidth measured in th
 best of an XLA elementwise pass and a torch device copy, bytes read + written per second): every
 weight except the embedding table, the B embedding rows gathered, and the K/V of every context
 token of every sequence.
+From batch 256 on the 8B shape the weights' FLOPs at the measured matmul rate take longer than
+their bytes, so the floor cannot be reached; the table then also gives the bound of a step whose
+layers run their projections and their attention one after the other: max(weight bytes / copy
+BW, FLOPs / matmul rate) + KV bytes / copy BW.
 Usage: python benchmarks/roofline.py --model llama3-8b [--out FILE.md] [--plot FILE.png]
 """
 
@@ -186,27 +190,38 @@ def roofline(engine, config, bandwidth: float, *, flop_rate=None, batches=BATCHE
     return rows
 
 
+def sequential_bound(row, bandwidth: float) -> float:
+    """Seconds of a step whose projections (bound by their weight bytes or their FLOPs, which
+    `compute_floor` counts) and attention (bound by its KV bytes) run one after the other."""
+    return max(row["weight_bytes"] / bandwidth, row["compute_floor"]) \
+        + row["kv_bytes"] / bandwidth
+
+
 def table(rows, bandwidth: dict) -> str:
-    """Markdown rows; a compute column when the rows carry `compute_floor`."""
+    """Markdown rows; compute columns (FLOPs time, the sequential bound, step / bound) when the
+    rows carry `compute_floor`."""
     compute = all("compute_floor" in row for row in rows)
     lines = ["copy bandwidth (read + write): " + ", ".join(
                  f"{name} {rate / 1e12:.2f} TB/s" for name, rate in bandwidth.items()),
              "", "| batch (bucket) | context / seq | step, device (ms) | host launch (ms) | "
              "weights (GB) | KV (GB) | floor (ms) | step / floor | "
-             + ("FLOPs at the matmul rate (ms) | " if compute else "") + "tokens/s |",
-             "|---|" + "---:|" * (8 + compute)]
+             + ("FLOPs at the matmul rate (ms) | max(weights, FLOPs) + KV (ms) | "
+                "step / that | " if compute else "") + "tokens/s |",
+             "|---|" + "---:|" * (8 + 3 * compute)]
     for row in rows:
+        bound = sequential_bound(row, bandwidth["best"]) if compute else 0.0
         lines.append(
             f"| {row['batch']} ({row['bucket']}) | {row['context']} | "
             f"{1e3 * row['seconds']:.2f} | {1e3 * row['dispatch_seconds']:.2f} | "
             f"{row['weight_bytes'] / 1e9:.2f} | {row['kv_bytes'] / 1e9:.2f} | "
             f"{1e3 * row['floor']:.2f} | {row['seconds'] / row['floor']:.2f} | "
-            + (f"{1e3 * row['compute_floor']:.2f} | " if compute else "")
+            + (f"{1e3 * row['compute_floor']:.2f} | {1e3 * bound:.2f} | "
+               f"{row['seconds'] / bound:.2f} | " if compute else "")
             + f"{row['batch'] / row['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, path, title):
+def plot(rows, path, title, bandwidth=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -217,6 +232,9 @@ def plot(rows, path, title):
     ax.plot(batches, [1e3 * r["floor"] for r in rows], "k--", label="floor: bytes / copy BW")
     ax.plot(batches, [1.25e3 * r["floor"] for r in rows], ":", color="gray",
             label="1.25 x floor")
+    if bandwidth and all("compute_floor" in r for r in rows):
+        ax.plot(batches, [1e3 * sequential_bound(r, bandwidth) for r in rows], "-.",
+                color="tab:red", label="max(weights, FLOPs) + KV")
     for r in rows:
         ax.annotate(f"{r['seconds'] / r['floor']:.2f}x", (r["batch"], 1e3 * r["seconds"]),
                     textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
@@ -270,7 +288,7 @@ def main(argv=None):
     if args.out:
         Path(args.out).write_text(text)
     if args.plot:
-        plot(rows, args.plot, f"{args.model} decode step vs floor")
+        plot(rows, args.plot, f"{args.model} decode step vs floor", bandwidth["best"])
 
 
 if __name__ == "__main__":

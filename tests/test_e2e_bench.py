@@ -56,4 +56,7 @@ def test_roofline_table_adds_the_compute_column_only_when_measured():
     plain = roofline.table([row], {"best": 1.5e12}).splitlines()
     assert plain[-1] == "| 2 (4) | 8 | 4.00 | 1.00 | 2.00 | 1.00 | 2.00 | 2.00 | 500 |"
     with_compute = roofline.table([dict(row, compute_floor=0.0005)], {"best": 1.5e12})
-    assert with_compute.splitlines()[-1].endswith("| 2.00 | 0.50 | 500 |")
+    # bound: max(2 GB / 1.5 TB/s, 0.5 ms) + 1 GB / 1.5 TB/s = 2.00 ms
+    assert with_compute.splitlines()[-1].endswith("| 2.00 | 0.50 | 2.00 | 2.00 | 500 |")
+    compute_bound = roofline.table([dict(row, compute_floor=0.003)], {"best": 1.5e12})
+    assert compute_bound.splitlines()[-1].endswith("| 2.00 | 3.00 | 3.67 | 1.09 | 500 |")
