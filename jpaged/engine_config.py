@@ -79,6 +79,11 @@ def resolve_attention_backend(name: str) -> tuple[str, bool]:
     if name == "auto":
         name = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(
             platform, "reference")
+    native = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
+    if platform != "cpu" and platform not in native.get(name, (platform,)):
+        raise ValueError(f"attention_backend {name!r} compiles for {' or '.join(native[name])} "
+                         f"(or runs interpreted on the CPU), not for this {platform} backend; "
+                         "use 'auto' or 'reference'")
     return name, name != "reference" and platform == "cpu"
 
 

@@ -3,6 +3,7 @@ continuous batching, preemption, n > 1 sharing, chunked prefill, stops, aborts, 
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
@@ -324,8 +325,14 @@ def test_engine_runs_each_kernel_backend(hf_checkpoints, backend):
     path = hf_checkpoints["llama_gqa"]
     prompts = prompts_of([21, 5], seed=9)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm = LLM(path, num_kv_blocks=16, max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=16, attention_backend=backend)
+    options = dict(num_kv_blocks=16, max_model_len=64, max_num_seqs=4,
+                   max_num_batched_tokens=16, attention_backend=backend)
+    platform = jax.default_backend()
+    if platform != "cpu" and not backend.endswith(platform):   # e.g. the TPU kernel on a GPU
+        with pytest.raises(ValueError, match=f"{backend}.*not for this {platform}"):
+            LLM(path, **options)
+        return
+    llm = LLM(path, **options)
     assert llm.stats()["attention_backend"] == backend
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
@@ -342,3 +349,21 @@ def test_abort_returns_reserved_sample_slots(hf_checkpoints):
     assert eng.abort("n3")
     assert len(eng.scheduler.free_slots) == 4
     assert eng.num_free_blocks == eng.config.num_kv_blocks - 1
+
+
+@pytest.mark.parametrize("platform,name,expected", [
+    ("gpu", "auto", ("pallas_gpu", False)), ("gpu", "pallas_gpu", ("pallas_gpu", False)),
+    ("gpu", "reference", ("reference", False)), ("tpu", "auto", ("pallas_tpu", False)),
+    ("cpu", "pallas_tpu", ("pallas_tpu", True)), ("cpu", "auto", ("reference", False)),
+    ("gpu", "pallas_tpu", "'pallas_tpu' compiles for tpu"),
+    ("tpu", "pallas_gpu", "'pallas_gpu' compiles for gpu or cuda or rocm")])
+def test_attention_backend_resolves_per_platform(monkeypatch, platform, name, expected):
+    """A Pallas kernel for another accelerator is refused by name before anything compiles;
+    on the CPU both Pallas backends run interpreted."""
+    from jpaged import engine_config
+    monkeypatch.setattr(engine_config.jax, "default_backend", lambda: platform)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            engine_config.resolve_attention_backend(name)
+    else:
+        assert engine_config.resolve_attention_backend(name) == expected
