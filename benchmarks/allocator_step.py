@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jpaged import memory  # noqa: E402
-from jpaged.block_mirror import HostBlockMirror  # noqa: E402
+from jpaged.blocks import allocator  # noqa: E402
+from jpaged.blocks.mirror import HostBlockMirror  # noqa: E402
 
 BLOCK_SIZE, MAX_BLOCKS = 16, 64
 
@@ -36,9 +36,9 @@ def setup(batch: int, steps: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, (MAX_BLOCKS - 1) * BLOCK_SIZE - steps, size=batch)
     num_blocks = int(np.sum(-(-(lens + steps) // BLOCK_SIZE))) + 2
-    state = memory.init_state(num_blocks, BLOCK_SIZE, batch, MAX_BLOCKS)
+    state = allocator.init_state(num_blocks, BLOCK_SIZE, batch, MAX_BLOCKS)
     seq_ids = np.arange(batch, dtype=np.int32)
-    state, result = jax.jit(functools.partial(memory.allocate_prompt,
+    state, result = jax.jit(functools.partial(allocator.allocate_prompt,
                                               max_prompt_len=MAX_BLOCKS * BLOCK_SIZE))(
         state, jnp.asarray(seq_ids), jnp.asarray(lens, dtype=jnp.int32))
     assert bool(result.ok)
@@ -49,14 +49,14 @@ def setup(batch: int, steps: int, seed: int = 0):
 
 @jax.jit
 def append_step(state, seq_ids):
-    state, slots, copies, ok = memory.append_one(state, seq_ids)
+    state, slots, copies, ok = allocator.append_one(state, seq_ids)
     return state, slots, ok
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def append_loop(state, seq_ids, steps):
     def body(_, carry):
-        new_state, _, _, ok = memory.append_one(carry[0], seq_ids)
+        new_state, _, _, ok = allocator.append_one(carry[0], seq_ids)
         return new_state, carry[1] & ok
     return jax.lax.fori_loop(0, steps, body, (state, jnp.bool_(True)))
 

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import hf_backends, roofline  # noqa: E402
 from benchmarks.trace import ALPACA, SHAREGPT, make_trace  # noqa: E402
 from jpaged import LLMEngine, SamplingParams  # noqa: E402
-from jpaged.config import CONFIGS_DIR, ModelConfig  # noqa: E402
+from jpaged.config import PRESETS_DIR, ModelConfig  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
 
 
@@ -269,7 +269,7 @@ def main(argv=None):
     if parts_wanted & {"hf_static", "hf_cb"}:
         device = "cuda" if on_gpu else "cpu"
         hf_model = parts.run("hf build", lambda: ({"seconds": 0}, hf_backends.build_hf_model(
-            CONFIGS_DIR / f"{args.model}.json", model, device=device)), needs=30)
+            PRESETS_DIR / f"{args.model}.json", model, device=device)), needs=30)
         parts.results.pop("hf build", None)
     if hf_model is not None and "hf_static" in parts_wanted:
         parts.run(f"hf static, batch {args.hf_batch_size}", lambda: hf_backends.run_static(

@@ -5,7 +5,7 @@ Three designs share one pool of `capacity` token slots:
     pre-PagedAttention servers);
   - contiguous, final length: each request reserves exactly the slots it will use (an oracle that
     knows the output length), placed first-fit in one address space, so freed ranges fragment;
-  - paged: jpaged's own scheduler (`jpaged.scheduler.Scheduler`: FCFS admission with its 1%
+  - paged: jpaged's own scheduler (`jpaged.engine.scheduler.Scheduler`: FCFS admission with its 1%
     watermark, recompute preemption) over its host block allocator (`HostBlockMirror`, the exact
     mirror of the device allocator), blocks of S slots, physical block 0 the reserved sink.
 
@@ -26,10 +26,10 @@ import bisect
 import collections
 import dataclasses
 
-from jpaged.block_mirror import HostBlockMirror
+from jpaged.blocks.mirror import HostBlockMirror
 from jpaged.request import Request
 from jpaged.sampling import SamplingParams
-from jpaged.scheduler import Scheduler
+from jpaged.engine.scheduler import Scheduler
 
 CATEGORIES = ("useful", "reserved", "internal", "external", "idle", "other")
 

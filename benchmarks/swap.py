@@ -2,7 +2,7 @@
 crossover, and throughput under growing overload.
 
 1. Ceiling: one large bf16 array to JAX's `pinned_host` memory and back (`jax.device_put`).
-2. Swap transfers as the engine does them (`jpaged.swap.SwapStore`: one jitted gather of a
+2. Swap transfers as the engine does them (`jpaged.blocks.swap.SwapStore`: one jitted gather of a
    victim's blocks into pinned host memory, one host-to-device transfer plus one jitted scatter
    into the donated cache), for n random blocks of a Llama-3-8B-shaped bf16 cache, against a
    block-by-block loop (one gather + transfer per block). GB/s counts K and V bytes of the blocks.
@@ -34,7 +34,7 @@ from benchmarks.trace import make_trace  # noqa: E402
 from jpaged import LLMEngine, SamplingParams  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
-from jpaged.swap import scatter_program  # noqa: E402
+from jpaged.blocks.swap import scatter_program  # noqa: E402
 
 
 def pinned_ceiling(num_bytes: int) -> tuple[float, float]:

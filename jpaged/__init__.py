@@ -1,6 +1,6 @@
 """jpaged: a PagedAttention serving engine for JAX."""
 
-from jpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from jpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
 from jpaged.request import CompletionOutput, RequestOutput

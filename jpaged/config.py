@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"   # package data: works from a wheel
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -216,10 +216,10 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        """A config shipped under configs/models/<name>.json (e.g. 'llama3-70b')."""
-        path = CONFIGS_DIR / f"{name}.json"
+        """A config shipped in the package, jpaged/presets/<name>.json (e.g. 'llama3-70b')."""
+        path = PRESETS_DIR / f"{name}.json"
         if not path.is_file():
-            known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+            known = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
             raise ValueError(f"unknown model preset {name!r}; known: {known}")
         return cls.from_json(path)
 

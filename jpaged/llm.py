@@ -6,8 +6,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from jpaged.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from jpaged.engine import LLMEngine
+from jpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.request import RequestOutput
 from jpaged.sampling import RequestOutputKind, SamplingParams
 
@@ -68,7 +68,7 @@ class LLM:
         return self._run(request_ids, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search with transformers' semantics (see `jpaged.beam_search`); beams share KV
+        """Beam search with transformers' semantics (see `jpaged.engine.beam_search`); beams share KV
         blocks. prompts: one prompt or a list, each a str, a list of token ids, or a dict with
         "prompt" or "prompt_token_ids". Needs an idle engine; results come back in input order,
         each with beam_width sequences, best first."""

@@ -202,7 +202,7 @@ def run_dp(checkpoint: str, tensor_parallel_size: int) -> dict:
     from fastapi.testclient import TestClient
 
     from jpaged import serve
-    from jpaged.data_parallel import DataParallelEngine
+    from jpaged.serve.data_parallel import DataParallelEngine
 
     router = DataParallelEngine.from_pretrained(checkpoint, "tiny", data_parallel_size=2,
                                                 tensor_parallel_size=tensor_parallel_size,

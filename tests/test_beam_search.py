@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jpaged import LLM, BeamSearchParams, SamplingParams
-from jpaged.beam_search import Beam, Candidate, SelectionRule, top_candidates
+from jpaged.engine.beam_search import Beam, Candidate, SelectionRule, top_candidates
 
 MAX_TOKENS = 10
 BLOCK_SIZE = 4

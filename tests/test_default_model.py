@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jpaged import LLM, SamplingParams
-from jpaged.engine_config import default_model_dir
+from jpaged.engine.builder import default_model_dir
 from jpaged.models import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -360,7 +360,7 @@ def test_abort_returns_reserved_sample_slots(hf_checkpoints):
 def test_attention_backend_resolves_per_platform(monkeypatch, platform, name, expected):
     """A Pallas kernel for another accelerator is refused by name before anything compiles;
     on the CPU both Pallas backends run interpreted."""
-    from jpaged import engine_config
+    from jpaged.engine import builder as engine_config
     monkeypatch.setattr(engine_config.jax, "default_backend", lambda: platform)
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected):

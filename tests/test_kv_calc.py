@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jpaged.config import CONFIGS_DIR, ModelConfig
+from jpaged.config import PRESETS_DIR, ModelConfig
 from jpaged.kv_cache import kv_footprint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +44,8 @@ def test_shipped_configs(name, per_token_bf16):
 
 
 def test_every_shipped_config_loads():
-    assert len(list(CONFIGS_DIR.glob("*.json"))) >= 6
-    for path in CONFIGS_DIR.glob("*.json"):
+    assert len(list(PRESETS_DIR.glob("*.json"))) >= 6
+    for path in PRESETS_DIR.glob("*.json"):
         ModelConfig.from_json(path)
 
 

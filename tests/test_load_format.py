@@ -11,9 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from jpaged import serve
-from jpaged.async_engine import AsyncEngine
-from jpaged.config import CONFIGS_DIR
-from jpaged.engine import LLMEngine
+from jpaged.serve.async_engine import AsyncEngine
+from jpaged.config import PRESETS_DIR
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.models import checkpoint_tensors, load_model
 
 SERVER_FLAGS = ["--load-format", "dummy", "--max-num-seqs", "4", "--max-model-len", "256",
@@ -23,7 +23,7 @@ SERVER_FLAGS = ["--load-format", "dummy", "--max-num-seqs", "4", "--max-model-le
 @pytest.fixture
 def config_only_dir(tmp_path):
     """A directory holding only configs/models/tiny.json as config.json."""
-    shutil.copy(CONFIGS_DIR / "tiny.json", tmp_path / "config.json")
+    shutil.copy(PRESETS_DIR / "tiny.json", tmp_path / "config.json")
     return tmp_path
 
 

@@ -10,19 +10,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jpaged import kv_cache, memory
-from jpaged.block_mirror import HostBlockMirror
+from jpaged import kv_cache
+from jpaged.blocks import allocator
+from jpaged.blocks.mirror import HostBlockMirror
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS = 12, 4, 6, 5
 ROWS, MAX_TOKENS = 4, 9
 
-append_jit = jax.jit(functools.partial(memory.append_tokens, max_tokens=MAX_TOKENS))
-free_jit = jax.jit(memory.free_seqs)
-fork_jit = jax.jit(memory.fork_seqs)
-retain_jit = jax.jit(memory.retain_blocks)
-release_jit = jax.jit(memory.release_blocks)
-pop_jit = jax.jit(memory.pop_blocks)
-adopt_jit = jax.jit(memory.adopt_blocks)
+append_jit = jax.jit(functools.partial(allocator.append_tokens, max_tokens=MAX_TOKENS))
+free_jit = jax.jit(allocator.free_seqs)
+fork_jit = jax.jit(allocator.fork_seqs)
+retain_jit = jax.jit(allocator.retain_blocks)
+release_jit = jax.jit(allocator.release_blocks)
+pop_jit = jax.jit(allocator.pop_blocks)
+adopt_jit = jax.jit(allocator.adopt_blocks)
 scatter_jit = jax.jit(kv_cache.scatter_blocks)
 
 
@@ -103,7 +104,7 @@ def check_contents(cache, state, histories):
 @functools.cache
 def initial_state_and_cache():
     """Immutable, so every example can start from the same objects."""
-    return (memory.init_state(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS),
+    return (allocator.init_state(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS),
             kv_cache.init_cache(1, 1, NUM_BLOCKS, BLOCK_SIZE, 1, jnp.float32))
 
 
@@ -221,11 +222,11 @@ def test_random_operations_match_mirror_and_keep_invariants(operations):
 
 
 def test_out_of_blocks_is_reported_and_state_unchanged():
-    state = memory.init_state(4, 4, 2, 4)
-    state, result = memory.allocate_prompt(state, jnp.array([0]), jnp.array([12]),
+    state = allocator.init_state(4, 4, 2, 4)
+    state, result = allocator.allocate_prompt(state, jnp.array([0]), jnp.array([12]),
                                            max_prompt_len=16)
     assert bool(result.ok) and int(state.num_free) == 0
-    after, result = memory.allocate_prompt(state, jnp.array([1]), jnp.array([1]),
+    after, result = allocator.allocate_prompt(state, jnp.array([1]), jnp.array([1]),
                                            max_prompt_len=16)
     assert not bool(result.ok)
     assert int(result.num_blocks_needed) == 1
@@ -234,23 +235,23 @@ def test_out_of_blocks_is_reported_and_state_unchanged():
 
 
 def test_append_crosses_block_boundary_only_when_full():
-    state = memory.init_state(8, 4, 2, 4)
-    state, result = memory.allocate_prompt(state, jnp.array([0]), jnp.array([3]),
+    state = allocator.init_state(8, 4, 2, 4)
+    state, result = allocator.allocate_prompt(state, jnp.array([0]), jnp.array([3]),
                                            max_prompt_len=4)
     assert np.asarray(result.slot_mapping)[0, :3].tolist() == [4, 5, 6]  # block 1
-    state, slots, _, ok = memory.append_one(state, jnp.array([0]))
+    state, slots, _, ok = allocator.append_one(state, jnp.array([0]))
     assert bool(ok) and int(slots[0]) == 7 and int(state.num_free) == 6
-    state, slots, _, ok = memory.append_one(state, jnp.array([0]))
+    state, slots, _, ok = allocator.append_one(state, jnp.array([0]))
     assert bool(ok) and int(slots[0]) == 8 and int(state.num_free) == 5  # block 2, offset 0
 
 
 def test_fork_then_copy_on_write_copies_only_the_written_block():
-    state = memory.init_state(8, 4, 3, 4)
-    state, _ = memory.allocate_prompt(state, jnp.array([0]), jnp.array([6]), max_prompt_len=8)
-    state = memory.fork_seqs(state, jnp.array([0, 0]), jnp.array([1, 2]))
+    state = allocator.init_state(8, 4, 3, 4)
+    state, _ = allocator.allocate_prompt(state, jnp.array([0]), jnp.array([6]), max_prompt_len=8)
+    state = allocator.fork_seqs(state, jnp.array([0, 0]), jnp.array([1, 2]))
     assert np.asarray(state.refcounts)[[1, 2]].tolist() == [3, 3]
     # All three write into the shared partial block 2: two copy, the last holder writes in place.
-    state, slots, copies, ok = memory.append_one(state, jnp.array([0, 1, 2]))
+    state, slots, copies, ok = allocator.append_one(state, jnp.array([0, 1, 2]))
     assert bool(ok)
     assert np.asarray(copies).tolist() == [[2, 3], [2, 4], [-1, -1]]
     assert np.asarray(state.refcounts)[[1, 2, 3, 4]].tolist() == [3, 1, 1, 1]
@@ -258,23 +259,23 @@ def test_fork_then_copy_on_write_copies_only_the_written_block():
 
 
 def test_padding_rows_touch_nothing():
-    state = memory.init_state(8, 4, 2, 4)
-    after, result = memory.allocate_prompt(state, jnp.array([-1, -1]), jnp.array([5, 3]),
+    state = allocator.init_state(8, 4, 2, 4)
+    after, result = allocator.allocate_prompt(state, jnp.array([-1, -1]), jnp.array([5, 3]),
                                            max_prompt_len=8)
     assert bool(result.ok)
     assert np.all(np.asarray(result.slot_mapping) == kv_cache.PAD_SLOT)
     jax.tree.map(np.testing.assert_array_equal, after, state)
-    jax.tree.map(np.testing.assert_array_equal, memory.free_seqs(state, jnp.array([-1])), state)
+    jax.tree.map(np.testing.assert_array_equal, allocator.free_seqs(state, jnp.array([-1])), state)
 
 
 def test_functions_run_inside_fori_loop():
     """Allocation inside a device loop: 10 decode steps of two sequences in one fori_loop."""
-    state = memory.init_state(16, 4, 2, 8)
-    state, _ = memory.allocate_prompt(state, jnp.array([0, 1]), jnp.array([3, 4]),
+    state = allocator.init_state(16, 4, 2, 8)
+    state, _ = allocator.allocate_prompt(state, jnp.array([0, 1]), jnp.array([3, 4]),
                                       max_prompt_len=4)
 
     def body(_, carry):
-        new_state, _, _, ok = memory.append_one(carry[0], jnp.array([0, 1]))
+        new_state, _, _, ok = allocator.append_one(carry[0], jnp.array([0, 1]))
         return new_state, carry[1] & ok
 
     state, all_ok = jax.jit(lambda s: jax.lax.fori_loop(0, 10, body, (s, jnp.bool_(True))))(state)
@@ -287,16 +288,16 @@ def test_functions_run_inside_fori_loop():
 def test_init_validates(bad):
     args = dict(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
-        memory.init_state(**args)
+        allocator.init_state(**args)
 
 
 def test_freeing_shared_blocks_pushes_each_once_in_first_occurrence_order():
     """A parent and its fork freed together: their shared blocks appear twice in the freed ids,
     reach zero references once, and go back on the stack once, in first-occurrence order."""
-    state = memory.init_state(16, 4, 3, 4)
-    state, _ = memory.allocate_prompt(state, jnp.array([0, 2]), jnp.array([9, 5]),
+    state = allocator.init_state(16, 4, 3, 4)
+    state, _ = allocator.allocate_prompt(state, jnp.array([0, 2]), jnp.array([9, 5]),
                                       max_prompt_len=12)
-    state = memory.fork_seqs(state, jnp.array([0]), jnp.array([1]))
+    state = allocator.fork_seqs(state, jnp.array([0]), jnp.array([1]))
     tables = np.asarray(state.block_tables)
     num_free = int(state.num_free)
     state = free_jit(state, jnp.array([2, 1, 0]))   # seq 2's blocks first, then 1's = 0's
@@ -305,9 +306,9 @@ def test_freeing_shared_blocks_pushes_each_once_in_first_occurrence_order():
     assert np.asarray(state.free_stack[num_free:int(state.num_free)]).tolist() == expected
     assert np.all(np.asarray(state.refcounts)[expected] == 0)
 
-    state, _ = memory.allocate_prompt(state, jnp.array([0]), jnp.array([4]), max_prompt_len=12)
+    state, _ = allocator.allocate_prompt(state, jnp.array([0]), jnp.array([4]), max_prompt_len=12)
     block = int(state.block_tables[0, 0])
-    state = memory.free_seqs(memory.retain_blocks(state, jnp.array([block, block, -1])),
+    state = allocator.free_seqs(allocator.retain_blocks(state, jnp.array([block, block, -1])),
                              jnp.array([0]))
     num_free = int(state.num_free)
     state = release_jit(state, jnp.array([block, -1, block]))   # its last two references

@@ -321,7 +321,7 @@ def test_no_loop_is_chained_past_every_rows_budget(hf_checkpoints, monkeypatch):
 
 
 def test_pack_round_trips_every_leaf_dtype():
-    from jpaged.device_step import pack, pack_traced, unpack
+    from jpaged.engine.device_step import pack, pack_traced, unpack
     tree = {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "b": np.float32([1.5, -2.25]),
             "c": np.uint32([7, 2 ** 32 - 1]), "d": np.int32(4)}
     packed, layout = pack(tree)
@@ -377,7 +377,7 @@ def test_decode_loop_has_no_data_dependent_control_flow(hf_checkpoints):
     the device every iteration, and async scheduling could not overlap the host. The sampler's
     sort is in the loop only when a row needs it, its noise only when a row samples (both
     decided on the host)."""
-    from jpaged.device_step import decode_loop_impl
+    from jpaged.engine.device_step import decode_loop_impl
     from jpaged.sampling import SamplingRow
     runner = engine(hf_checkpoints["llama_gqa"], 4).runner
     counts = {}
@@ -406,8 +406,8 @@ def test_event_replay_equals_iteration_replay(seed):
     import copy
     import types
 
-    from jpaged.block_mirror import HostBlockMirror
-    from jpaged.scheduler import Scheduler
+    from jpaged.blocks.mirror import HostBlockMirror
+    from jpaged.engine.scheduler import Scheduler
 
     rng = np.random.default_rng(seed)
     mirror = HostBlockMirror(200, 4, 12, 40)

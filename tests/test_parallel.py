@@ -1,5 +1,5 @@
 """Tensor parallelism, data-parallel replicas and the multi-host path (jpaged.parallel,
-jpaged.data_parallel) on forced CPU devices.
+jpaged.serve.data_parallel) on forced CPU devices.
 
 The checks that need several devices run in subprocesses (tests/parallel_worker.py) started with
 XLA_FLAGS=--xla_force_host_platform_device_count: this pytest worker's JAX backend started long
@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from jpaged import parallel
 from jpaged.config import ModelConfig
-from jpaged.data_parallel import DataParallelEngine, pick_replica
-from jpaged.engine_config import EngineConfig, build_engine_config
+from jpaged.serve.data_parallel import DataParallelEngine, pick_replica
+from jpaged.engine.builder import EngineConfig, build_engine_config
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_TIMEOUT = 600

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jpaged import LLM, LLMEngine, SamplingParams, kv_cache
-from jpaged.swap import SwapStore
+from jpaged.blocks.swap import SwapStore
 from tests.test_engine import prompts_of
 from tests.test_multistep import assert_mirror_matches_device
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jpaged import LLM, SamplingParams, prefix_cache
-from jpaged.block_mirror import HostBlockMirror
-from jpaged.prefix_cache import PrefixCache
+from jpaged import LLM, SamplingParams
+from jpaged.blocks import prefix_cache
+from jpaged.blocks.mirror import HostBlockMirror
+from jpaged.blocks.prefix_cache import PrefixCache
 from jpaged.request import Request
-from jpaged.scheduler import Scheduler
+from jpaged.engine.scheduler import Scheduler
 from tests.test_engine import prompts_of
 from tests.test_preemption import assert_nothing_held
 

@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from jpaged import LLM, SamplingParams
-from jpaged import openai_api as api
+from jpaged.serve import openai_api as api
 from jpaged import serve
-from jpaged.async_engine import AsyncEngine
-from jpaged.engine_config import default_model_dir
+from jpaged.serve.async_engine import AsyncEngine
+from jpaged.engine.builder import default_model_dir
 from tests.server_process import running_server
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import train_tiny  # noqa: E402
 
 from jpaged import SamplingParams  # noqa: E402
-from jpaged.engine import LLMEngine  # noqa: E402
+from jpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jpaged.models import load_model  # noqa: E402
 
 TINY = train_tiny.TrainConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -16,11 +16,11 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jpaged import device_step  # noqa: E402
+from jpaged.engine import device_step  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
-from jpaged.engine_config import resolve_attention_backend  # noqa: E402
+from jpaged.engine.builder import resolve_attention_backend  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
-from jpaged.runner import ModelRunner  # noqa: E402
+from jpaged.engine.executor import ModelRunner  # noqa: E402
 from jpaged.sampling import SamplingParams, SamplingRow  # noqa: E402
 
 

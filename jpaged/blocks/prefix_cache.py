@@ -2,7 +2,7 @@
 
 A full block is keyed by `block_hash(parent_hash, its tokens)`, so a key names the whole prefix up
 to and including the block. The cache holds one reference of its own on every block it indexes
-(`memory.retain_blocks`), so a block no sequence holds any more stays intact; such blocks are the
+(`allocator.retain_blocks`), so a block no sequence holds any more stays intact; such blocks are the
 evictable ones, evicted least-recently-released first and only when the free stack cannot serve a
 step. A sequence's blocks are released tail first, so a partly evicted chain keeps its head.
 

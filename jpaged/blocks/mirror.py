@@ -1,6 +1,6 @@
 """Host-side mirror of the block manager: predicts every device allocation without a sync.
 
-It runs the same deterministic algorithm as `jpaged.memory` on plain Python/numpy data, one
+It runs the same deterministic algorithm as `jpaged.blocks.allocator` on plain Python/numpy data, one
 operation per scheduler decision, so the scheduler knows block ids (for prefix caching and swap)
 and the free count before the device has run. Tests hold the device functions to it, block id
 for block id.

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged import kv_cache, memory
+from jpaged import kv_cache
+from jpaged.blocks import allocator
 from jpaged.models.attention import AttentionMetadata
 from jpaged.sampling import SamplingTensors, sample
 
@@ -187,7 +188,7 @@ def step_impl(param_leaves, manager, cache, packed, *, layout, model_def, is_dec
     seq_rows = jnp.maximum(inputs.seq_ids, 0)
     old_lens = jnp.where(active, manager.seq_lens[seq_rows], 0)
     max_tokens = 1 if is_decode else num_tokens
-    manager, appended = memory.append_tokens(manager, inputs.seq_ids, inputs.query_lens,
+    manager, appended = allocator.append_tokens(manager, inputs.seq_ids, inputs.query_lens,
                                              max_tokens=max_tokens)
     query_start_loc = jnp.concatenate(
         [jnp.zeros(1, jnp.int32), jnp.cumsum(inputs.query_lens, dtype=jnp.int32)])
@@ -280,10 +281,10 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
     def body(step, carry):
         manager, cache, tokens, active, outputs, done_at, num_done, missed = carry
         runs = ((step < wanted) & jnp.any(active)
-                & memory.can_append(manager, live_ids(active), ones))  # monotone: a prefix runs
+                & allocator.can_append(manager, live_ids(active), ones))  # monotone: a prefix runs
         live = active & runs
         seq_ids = live_ids(live)
-        manager, appended = memory.append_tokens(manager, seq_ids, ones, max_tokens=1)
+        manager, appended = allocator.append_tokens(manager, seq_ids, ones, max_tokens=1)
         seq_rows = jnp.maximum(seq_ids, 0)
         context_lens = jnp.where(live, manager.seq_lens[seq_rows], 0)
         metadata = AttentionMetadata(
@@ -304,7 +305,7 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
         is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
         finished = live & (is_stop | (step + 1 >= inputs.remaining)
                            | (context_lens + 1 >= max_model_len))
-        manager = memory.free_seqs(manager, jnp.where(finished, inputs.seq_ids, -1))
+        manager = allocator.free_seqs(manager, jnp.where(finished, inputs.seq_ids, -1))
         outputs = tuple(buffer.at[step].set(value) for buffer, value in zip(
             outputs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
         return (manager, cache, jnp.where(live, out.token_ids, tokens), active & ~finished,
@@ -318,7 +319,7 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
     manager, cache, _, active, outputs, done_at, num_done, missed = jax.lax.fori_loop(
         0, max_steps, body, carry)
     out_of_blocks = ((num_done < wanted) & jnp.any(active)
-                     & ~memory.can_append(manager, live_ids(active), ones))
+                     & ~allocator.can_append(manager, live_ids(active), ones))
     result = DecodeResult(*outputs, done_at=done_at, num_done=num_done,
                           out_of_blocks=out_of_blocks.astype(jnp.int32),
                           missed_copies=missed)
@@ -362,10 +363,10 @@ def decode_loop(batch: int):
     return _DECODE_LOOPS[batch <= TRITON_GEMM_MAX_TOKENS]
 
 
-free_program = jax.jit(memory.free_seqs, donate_argnums=0)
+free_program = jax.jit(allocator.free_seqs, donate_argnums=0)
 copy_program = jax.jit(kv_cache.copy_blocks, donate_argnums=0)
-fork_program = jax.jit(memory.fork_seqs, donate_argnums=0)
-retain_program = jax.jit(memory.retain_blocks, donate_argnums=0)
-release_program = jax.jit(memory.release_blocks, donate_argnums=0)
-pop_program = jax.jit(memory.pop_blocks, donate_argnums=0)
-adopt_program = jax.jit(memory.adopt_blocks, donate_argnums=0)
+fork_program = jax.jit(allocator.fork_seqs, donate_argnums=0)
+retain_program = jax.jit(allocator.retain_blocks, donate_argnums=0)
+release_program = jax.jit(allocator.release_blocks, donate_argnums=0)
+pop_program = jax.jit(allocator.pop_blocks, donate_argnums=0)
+adopt_program = jax.jit(allocator.adopt_blocks, donate_argnums=0)

@@ -12,8 +12,8 @@ blocks)), ("swap_drop", handle).
 
 import itertools
 
-from jpaged.block_mirror import HostBlockMirror
-from jpaged.prefix_cache import PrefixCache
+from jpaged.blocks.mirror import HostBlockMirror
+from jpaged.blocks.prefix_cache import PrefixCache
 from jpaged.request import Request, Sequence, SwapRecord
 
 

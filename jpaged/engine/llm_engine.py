@@ -15,17 +15,17 @@ import jax
 import numpy as np
 
 from jpaged import kv_cache
-from jpaged.block_mirror import HostBlockMirror
-from jpaged.decode_pipeline import DecodePipeline
+from jpaged.blocks.mirror import HostBlockMirror
+from jpaged.engine.pipeline import DecodePipeline
 from jpaged.detokenizer import IncrementalDetokenizer
-from jpaged.engine_config import EngineConfig, build_engine_config, resolve_engine_config
+from jpaged.engine.builder import EngineConfig, build_engine_config, resolve_engine_config
 from jpaged.request import CompletionOutput, Request, RequestOutput, Samples, Sequence
-from jpaged.runner import ModelRunner
+from jpaged.engine.executor import ModelRunner
 from jpaged.sampling import (MAX_LOGPROBS, RequestOutputKind, SamplingParams, SamplingRow,
                              request_seed)
-from jpaged.prefix_cache import PrefixCache
-from jpaged.scheduler import Scheduler
-from jpaged.swap import SwapStore, transfer_rate_probe
+from jpaged.blocks.prefix_cache import PrefixCache
+from jpaged.engine.scheduler import Scheduler
+from jpaged.blocks.swap import SwapStore, transfer_rate_probe
 
 
 def enable_compilation_cache(directory: str):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jpaged import kv_cache, parallel
 from jpaged.config import normalize_dtype
 from jpaged.models.loader import load_model, load_tokenizer
-from jpaged.scheduler import PREEMPTION_MODES
+from jpaged.engine.scheduler import PREEMPTION_MODES
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
 CPU_KV_BUDGET_BYTES = 1 << 30       # no memory statistics on the CPU: a fixed 1 GiB pool at most
@@ -89,7 +89,7 @@ def resolve_attention_backend(name: str) -> tuple[str, bool]:
 
 def default_model_dir() -> Path:
     """The built-in model that ships with the package."""
-    return Path(__file__).resolve().parent / "assets" / "default_model"
+    return Path(__file__).resolve().parent.parent / "assets" / "default_model"
 
 
 def resolve_engine_config(model=None, *, dtype="auto", load_format="auto",

@@ -15,9 +15,9 @@ import collections
 import dataclasses
 
 from jpaged.request import Samples, Sequence
-from jpaged.runner import LaunchedLoop
+from jpaged.engine.executor import LaunchedLoop
 from jpaged.sampling import SamplingRow
-from jpaged.scheduler import ScheduledRow
+from jpaged.engine.scheduler import ScheduledRow
 
 
 @dataclasses.dataclass

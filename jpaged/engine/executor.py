@@ -18,8 +18,9 @@ import time
 import jax
 import numpy as np
 
-from jpaged import kv_cache, memory, parallel
-from jpaged.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
+from jpaged import kv_cache, parallel
+from jpaged.blocks import allocator
+from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
                                 copy_program, decode_loop, fork_program, free_program, fresh_result, pack,
                                 pop_program, release_program, result_layout, retain_program,
                                 split_model, step_program, unpack_host)
@@ -89,7 +90,7 @@ class ModelRunner:
         # are replicated on the mesh, the cache split along kv heads. None: one device.
         self.mesh = model.mesh
         self.input_sharding = parallel.replicated(self.mesh)
-        self.manager = memory.init_state(num_blocks, block_size, max_num_seqs,
+        self.manager = allocator.init_state(num_blocks, block_size, max_num_seqs,
                                          self.max_blocks_per_seq)
         if self.mesh is not None:
             self.manager = jax.device_put(self.manager, self.input_sharding)

@@ -21,7 +21,7 @@ import time
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

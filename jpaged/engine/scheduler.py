@@ -12,9 +12,9 @@ swapped requests coming back, then waiting requests (only once nothing is swappe
 import collections
 import dataclasses
 
-from jpaged.block_ledger import BlockLedger
-from jpaged.block_mirror import HostBlockMirror
-from jpaged.prefix_cache import PrefixCache
+from jpaged.blocks.ledger import BlockLedger
+from jpaged.blocks.mirror import HostBlockMirror
+from jpaged.blocks.prefix_cache import PrefixCache
 from jpaged.request import Request, Sequence, SequenceStatus
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from jpaged import parallel
-from jpaged.async_engine import AsyncEngine
-from jpaged.engine import LLMEngine
+from jpaged.serve.async_engine import AsyncEngine
+from jpaged.engine.llm_engine import LLMEngine
 
 
 def pick_replica(free_blocks: list[int]) -> int:

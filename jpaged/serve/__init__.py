@@ -1,0 +1,13 @@
+"""The serving layer: an OpenAI-compatible HTTP server over the engine's public API.
+
+`python -m jpaged.serve` runs it (`cli.main`). Modules: `cli` (flags, start-up), `app` (routes),
+`openai_api` (wire format), `async_engine` (the engine on its own thread), `data_parallel`
+(replicas behind one interface).
+"""
+
+from jpaged.serve.app import build_app, model_info
+from jpaged.serve.cli import (DEFAULT_MODEL_NAME, banner, build_engine, build_parser,
+                              engine_options, main, parse_args)
+
+__all__ = ["DEFAULT_MODEL_NAME", "banner", "build_app", "build_engine", "build_parser",
+           "engine_options", "main", "model_info", "parse_args"]
