@@ -74,7 +74,7 @@ def run_jpaged(model, trace, prompts, args, *, block_size, num_steps, keep_engin
     for index, (request, prompt) in enumerate(zip(trace, prompts)):
         engine.add_request(f"r{index}", prompt_token_ids=prompt, params=SamplingParams(
             temperature=0.0, max_tokens=request.output_len, ignore_eos=True))
-    mirror, compile_before = engine.mirror, engine.runner.compile_seconds
+    mirror, compile_before = engine.ledger.mirror, engine.executor.compile_seconds
     max_running, held, allocated = 0, 0, 0
     start = time.perf_counter()
     while engine.has_unfinished():
@@ -85,7 +85,7 @@ def run_jpaged(model, trace, prompts, args, *, block_size, num_steps, keep_engin
             held += sum(mirror.seq_lens)
             allocated += sum(running) * block_size
     wall = time.perf_counter() - start
-    compile_seconds = engine.runner.compile_seconds - compile_before
+    compile_seconds = engine.executor.compile_seconds - compile_before
     timed = wall - compile_seconds
     output_tokens = sum(r.output_len for r in trace)
     if engine.num_generated_tokens != output_tokens:

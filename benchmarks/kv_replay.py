@@ -26,7 +26,7 @@ import bisect
 import collections
 import dataclasses
 
-from jpaged.blocks.mirror import HostBlockMirror
+from jpaged.blocks.ledger import BlockLedger
 from jpaged.request import Request
 from jpaged.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
@@ -142,8 +142,8 @@ def replay_paged(trace, *, capacity: int, block_size: int, max_model_len: int,
     included); returns (records, preemptions). Prefix caching is off (the prompts share
     nothing), preemption recomputes."""
     num_blocks = capacity // block_size
-    mirror = HostBlockMirror(num_blocks, block_size, max_num_seqs, -(-max_model_len // block_size))
-    scheduler = Scheduler(mirror, max_num_seqs=max_num_seqs,
+    ledger = BlockLedger(num_blocks, block_size, max_num_seqs, -(-max_model_len // block_size))
+    scheduler = Scheduler(ledger, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, watermark=watermark,
                           preemption_mode="recompute")
     arrivals, records, step = _arrivals(trace), [], 0
@@ -156,7 +156,7 @@ def replay_paged(trace, *, capacity: int, block_size: int, max_model_len: int,
                 params=SamplingParams(max_tokens=request.output_len, ignore_eos=True), seed=0,
                 arrival_index=index))
         output = scheduler.schedule()
-        scheduler.pending_ops = []           # no device to replay them on
+        ledger.take_ops()                    # no device to replay them on
         records.append(_paged_occupancy(scheduler, trace, capacity))
         finished = []
         for row in output.rows:
@@ -165,7 +165,7 @@ def replay_paged(trace, *, capacity: int, block_size: int, max_model_len: int,
                 if len(row.seq.output_token_ids) == row.request.params.max_tokens:
                     row.seq.finish_reason = "length"
                     finished.append(row)
-        scheduler.finish([row.seq for row in finished])
+        ledger.release([row.seq for row in finished])
         for row in finished:
             scheduler.retire(row.request)
         step += 1
@@ -173,7 +173,8 @@ def replay_paged(trace, *, capacity: int, block_size: int, max_model_len: int,
 
 
 def _paged_occupancy(scheduler: Scheduler, trace, capacity: int) -> Occupancy:
-    mirror, size = scheduler.mirror, scheduler.mirror.block_size
+    mirror = scheduler.ledger.mirror
+    size = mirror.block_size
     useful = allocated = will_use = 0
     for request in scheduler.running:
         slot = request.sequences[0].slot

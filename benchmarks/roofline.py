@@ -114,7 +114,7 @@ def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 20) -
     the device waits for, and the last fetch) cancel. The sequences get blocks through the host
     mirror and the device operations the scheduler would queue, and are freed afterwards (the
     mirror replays the loops' appends, so both stay in step)."""
-    runner, mirror = engine.runner, engine.mirror
+    runner, mirror = engine.executor, engine.ledger.mirror
     size, warm = mirror.block_size, 2
     if engine.has_unfinished():
         raise RuntimeError("time_decode_step needs an idle engine")
@@ -281,7 +281,7 @@ def main(argv=None):
     header = (f"device: {jax.devices()[0].device_kind}, date {datetime.date.today()}, jax "
               f"{jax.__version__}, python {platform.python_version()}\ncommand: python "
               f"benchmarks/roofline.py {' '.join(sys.argv[1:])}\nmodel {args.model}, random "
-              f"{args.dtype} weights, attention {engine.runner.attention_backend}; bf16 "
+              f"{args.dtype} weights, attention {engine.executor.attention_backend}; bf16 "
               f"matmul rate {rate / 1e12:.0f} TFLOP/s\n\n")
     text = header + table(rows, bandwidth)
     print(text)

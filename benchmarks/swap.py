@@ -51,7 +51,7 @@ def pinned_ceiling(num_bytes: int) -> tuple[float, float]:
 
 def batched_swap(engine, blocks) -> tuple[float, float]:
     """(out, in) seconds of one SwapStore swap-out and swap-in of `blocks`."""
-    runner, store = engine.runner, engine.runner.swap_store
+    runner, store = engine.executor, engine.executor.swap_store
 
     def out():
         store.swap_out(runner.cache, 0, blocks)
@@ -73,7 +73,7 @@ def batched_swap(engine, blocks) -> tuple[float, float]:
 
 def block_by_block(engine, blocks) -> tuple[float, float]:
     """(out, in) seconds moving the same blocks one transfer per block."""
-    runner, store = engine.runner, engine.runner.swap_store
+    runner, store = engine.executor, engine.executor.swap_store
     one = np.zeros(1, np.int32)
 
     def out():

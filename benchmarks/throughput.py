@@ -90,7 +90,7 @@ def report(args, engine, config, trace, wall, max_running, bandwidth, compile_be
     tp = args.tensor_parallel_size
     kv_per_token = config.kv_bytes_per_token(engine.config.kv_dtype)
     kv_per_device = (kv_per_token * parallel.num_cache_kv_heads(config.num_key_value_heads,
-                                                                engine.runner.mesh)
+                                                                engine.executor.mesh)
                      // config.num_key_value_heads // tp)
     decode = [r for r in log if r.is_decode and not r.compiled]
     floors = [(weight_bytes / tp + r.context_tokens * kv_per_device) / bandwidth
@@ -169,7 +169,7 @@ def main(argv=None):
         4 << 30 if jax.default_backend() == "gpu" else 256 << 20)["best"]
     engine, config = build_engine(args)
     trace = make_trace(args.num_requests, **SHAREGPT, seed=0)
-    compile_before = engine.runner.compile_seconds
+    compile_before = engine.executor.compile_seconds
     wall, max_running, is_complete = run_trace(engine, trace)
     text = report(args, engine, config, trace, wall, max_running, bandwidth, compile_before,
                   is_complete)

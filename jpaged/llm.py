@@ -52,24 +52,19 @@ class LLM:
         inputs = ([dict(prompt=p) for p in prompts] if prompts is not None
                   else [dict(prompt_token_ids=ids) for ids in prompt_token_ids])
         params = self._params_list(sampling_params, len(inputs))
-        for index, (item, param) in enumerate(zip(inputs, params)):
-            try:  # validate all before queueing any: a bad prompt must not leave others running
-                self.engine._check_fits(self.engine._prompt_tokens(
-                    item.get("prompt"), item.get("prompt_token_ids")), param)
-            except ValueError as err:
-                raise ValueError(f"prompt {index}: {err}") from err
-        request_ids = []
-        for item, param in zip(inputs, params):
-            request_id = f"gen-{next(self._ids)}"
-            # generate returns only finished outputs: no per-step output is built (vLLM does too)
-            param = dataclasses.replace(param, output_kind=RequestOutputKind.FINAL_ONLY)
-            self.engine.add_request(request_id, params=param, **item)
-            request_ids.append(request_id)
+        # generate returns only finished outputs: no per-step output is built (vLLM does too)
+        params = [dataclasses.replace(param, output_kind=RequestOutputKind.FINAL_ONLY)
+                  if isinstance(param, SamplingParams) else param for param in params]
+        request_ids = [f"gen-{next(self._ids)}" for _ in inputs]
+        # All checked (each prompt tokenized once) before any is queued: a bad prompt must not
+        # leave the others running.
+        self.engine.add_requests([dict(request_id=request_id, params=param, **item)
+                                  for request_id, param, item in zip(request_ids, params, inputs)])
         return self._run(request_ids, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search with transformers' semantics (see `jpaged.engine.beam_search`); beams share KV
-        blocks. prompts: one prompt or a list, each a str, a list of token ids, or a dict with
+        """Beam search with transformers' semantics (see `jpaged.engine.beam_search`); beams share
+        KV blocks. prompts: one prompt or a list, each a str, a list of token ids, or a dict with
         "prompt" or "prompt_token_ids". Needs an idle engine; results come back in input order,
         each with beam_width sequences, best first."""
         return beam_search(self.engine, prompts, params)
@@ -98,7 +93,7 @@ class LLM:
             rate = (self.engine.num_generated_tokens - generated_before) / max(
                 time.perf_counter() - start, 1e-9)
             bar.set_postfix(tokens_per_s=f"{rate:.0f}")
-        while self.engine.has_unfinished() and not self.engine.scheduler.num_unfinished:
+        while self.engine.has_unfinished() and not self.engine.num_unfinished_requests:
             self.engine.step()   # a chained decode loop still in flight: settle it
         bar.close()
         return [finished[request_id] for request_id in request_ids]

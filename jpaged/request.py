@@ -59,7 +59,8 @@ class Request:
     seed: int
     arrival_index: int
     priority: int = 0
-    stop_id_set: frozenset = frozenset()   # ids that end a sequence: stop ids, EOS unless ignored
+    stop_ids: tuple = ()                   # ids that end a sequence: stop ids, EOS unless ignored
+    stop_id_set: frozenset = frozenset()   # the same, for membership tests
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
@@ -100,7 +101,7 @@ class Samples(NamedTuple):
 @dataclasses.dataclass
 class SwapRecord:
     """A swapped-out request: its distinct blocks went to host blocks `host_ids` in one transfer
-    (`handle` names it for the runner); each sequence's table lists indices into host_ids."""
+    (`handle` names it for the swap store); each sequence's table lists indices into host_ids."""
     handle: int
     host_ids: list[int]
     tables: dict[int, list[int]]      # sequence index -> positions in host_ids

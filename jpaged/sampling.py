@@ -153,7 +153,7 @@ def request_seed(params: SamplingParams, rng: np.random.Generator) -> int:
 
 
 class SamplingRow(NamedTuple):
-    """One sequence's entry in a batch, as the runner knows it on the host."""
+    """One sequence's entry in a batch, as the executor knows it on the host."""
     params: SamplingParams
     seed: int          # the request's seed (`request_seed`); any int, reduced modulo 2**32
     sample_index: int  # which of the request's n samples this sequence is, in [0, n)

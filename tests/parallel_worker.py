@@ -71,7 +71,7 @@ def _describe(llm) -> dict:
     import numpy as np
     from flax import nnx
 
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     flat = {".".join(map(str, path)): var.get_value()
             for path, var in nnx.to_flat_state(runner.params)}
     k_pages = runner.cache.k_pages[0]
@@ -106,7 +106,7 @@ def _qkv_blocks_local(llm) -> bool:
 
     from jpaged.models import checkpoint_tensors
 
-    runner, config = llm.engine.runner, llm.engine.model_config
+    runner, config = llm.engine.executor, llm.engine.model_config
     model = nnx.merge(runner.graphdef, runner.params)
     hf = {name.rpartition(".")[0].rpartition(".")[2]: np.asarray(array)
           for name, array in checkpoint_tensors(model).items()
@@ -214,7 +214,7 @@ def run_dp(checkpoint: str, tensor_parallel_size: int) -> dict:
             replies = list(pool.map(lambda prompt: client.post(
                 "/v1/completions", json=dict(body, prompt=prompt)).json(), PROMPTS))
         metrics = client.get("/metrics").text
-    devices = [sorted(d.id for d in replica.engine.runner.cache.k_pages[0].sharding.device_set)
+    devices = [sorted(d.id for d in replica.engine.executor.cache.k_pages[0].sharding.device_set)
                for replica in router.replicas]
     labels = {line.split('replica="')[1][0] for line in metrics.splitlines() if 'replica="' in line}
     return dict(texts=[reply["choices"][0]["text"] for reply in replies],

@@ -86,11 +86,11 @@ def llm_for(path: str) -> LLM:
 def assert_engine_clean(llm: LLM):
     """Every block and slot back; the device block manager agrees with the host mirror."""
     engine = llm.engine
-    assert engine.mirror.num_free == engine.config.num_kv_blocks - 1
-    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs))
-    assert engine.scheduler.pending_ops == []
-    assert int(engine.runner.manager.num_free) == engine.mirror.num_free
-    assert np.asarray(engine.runner.manager.refcounts).tolist() == engine.mirror.refcounts
+    assert engine.ledger.mirror.num_free == engine.config.num_kv_blocks - 1
+    assert sorted(engine.ledger.free_slots) == list(range(engine.config.max_num_seqs))
+    assert not engine.ledger.has_ops
+    assert int(engine.executor.manager.num_free) == engine.ledger.mirror.num_free
+    assert np.asarray(engine.executor.manager.refcounts).tolist() == engine.ledger.mirror.refcounts
 
 
 CASES = [  # (beam_width, length_penalty, ignore_eos)
@@ -166,7 +166,7 @@ def test_max_model_len_caps_the_generated_length(checkpoint):
 
 def test_beams_share_blocks_and_copy_on_write(checkpoint, monkeypatch):
     llm = llm_for(checkpoint)
-    mirror = llm.engine.mirror
+    mirror = llm.engine.ledger.mirror
     free_before = mirror.num_free
     fewest_free, copies = [free_before], []
     append = mirror.append

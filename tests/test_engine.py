@@ -87,7 +87,7 @@ def test_late_arrivals_join_the_next_step_and_blocks_return_at_once(hf_checkpoin
     assert schedule_ids[0] == {"a", "b"}  # b prefilled in the very next step, beside a's decode
     assert finished_at["a"] < finished_at["b"]
     assert engine.num_free_blocks == total_free
-    assert int(engine.runner.manager.num_free) == engine.mirror.num_free
+    assert int(engine.executor.manager.num_free) == engine.ledger.mirror.num_free
 
 
 def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(hf_checkpoints):
@@ -101,7 +101,7 @@ def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(hf_checkpoints
     while engine.has_unfinished():
         for output in engine.step():
             outputs[output.request_id] = output
-        used.append(engine.mirror.num_blocks - 1 - engine.num_free_blocks)
+        used.append(engine.ledger.mirror.num_blocks - 1 - engine.num_free_blocks)
     # Four separate requests would hold 4 x ceil(45 / 16) = 12 blocks; forks share the 2 full
     # prompt blocks and copy only the partial one.
     assert max(used) == 2 + 4 * 1
@@ -276,7 +276,7 @@ def test_abort_frees_blocks_and_others_carry_on(hf_checkpoints):
     assert list(outputs) == ["keep"]
     assert outputs["keep"].outputs[0].token_ids == hf_greedy(path, tuple(prompts[0]), 12)
     assert engine.num_free_blocks == total
-    assert int(engine.runner.manager.num_free) == engine.mirror.num_free
+    assert int(engine.executor.manager.num_free) == engine.ledger.mirror.num_free
 
 
 def test_bad_input_is_rejected_before_anything_runs(hf_checkpoints):
@@ -345,9 +345,9 @@ def test_abort_returns_reserved_sample_slots(hf_checkpoints):
     eng.add_request("n3", prompt_token_ids=prompts_of([40])[0],
                     params=SamplingParams(n=3, max_tokens=4))
     eng.step()  # first 16-token chunk of the prompt: 3 slots taken, 2 of them reserved
-    assert len(eng.scheduler.free_slots) == 1
+    assert eng.ledger.num_free_slots == 1
     assert eng.abort("n3")
-    assert len(eng.scheduler.free_slots) == 4
+    assert eng.ledger.num_free_slots == 4
     assert eng.num_free_blocks == eng.config.num_kv_blocks - 1
 
 
@@ -367,3 +367,52 @@ def test_attention_backend_resolves_per_platform(monkeypatch, platform, name, ex
             engine_config.resolve_attention_backend(name)
     else:
         assert engine_config.resolve_attention_backend(name) == expected
+
+
+def _collaborator_calls(engine, calls_per_step: int = 1) -> list[list[str]]:
+    """For each of `calls_per_step` steps, the methods of other jpaged modules that
+    `LLMEngine.step` and its own helpers call directly, as "Class.method" in call order
+    (property reads excluded)."""
+    import sys
+
+    from jpaged.engine import llm_engine
+
+    engine_file = llm_engine.__file__
+    steps = []
+
+    def profile(frame, event, _arg):
+        if event != "call" or frame.f_back is None or frame.f_code.co_filename == engine_file:
+            return
+        if frame.f_back.f_code.co_filename != engine_file:
+            return
+        owner = frame.f_locals.get("self")
+        name = frame.f_code.co_name
+        if owner is None or "jpaged" not in type(owner).__module__:
+            return
+        if isinstance(getattr(type(owner), name, None), property):
+            return
+        steps[-1].append(f"{type(owner).__name__}.{name}")
+
+    for _ in range(calls_per_step):
+        steps.append([])
+        sys.setprofile(profile)
+        try:
+            engine.step()
+        finally:
+            sys.setprofile(None)
+    return steps
+
+
+def test_a_step_enters_each_part_once_per_phase(hf_checkpoints):
+    """The common path of a step: schedule, run (block operations applied first, inside),
+    process outputs, update the scheduler; the engine itself never touches the ledger."""
+    engine = engine_for(hf_checkpoints["llama_gqa"])
+    for index, prompt in enumerate(prompts_of([5, 9, 3])):
+        engine.add_request(f"r{index}", prompt_token_ids=prompt, params=GREEDY)
+    prefill, decode = _collaborator_calls(engine, 2)
+    expected = ["Scheduler.schedule", "Executor.run_rows", "OutputProcessor.process",
+                "Scheduler.update"]
+    assert prefill == expected
+    assert decode == ["Scheduler.schedule", "DecodePipeline.launch", "DecodePipeline.advance",
+                      "OutputProcessor.process", "Scheduler.update"]
+    run_to_completion(engine)

@@ -1,14 +1,18 @@
 """Layers import downward only (STYLE.md): kernels know nothing of jpaged, the core knows no
-model or engine, models never see the scheduler, and pallas_kernels has two importers."""
+model or engine, models never see the scheduler, pallas_kernels has two importers, the block
+vocabulary stays inside jpaged/blocks, and the engine module is a thin owner of its parts."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"config", "kv_cache", "sampling", "detokenizer", "request", "compat", "parallel",
-        "blocks"}
+        "options", "blocks"}
 ENGINE = {"engine", "llm", "serve", "main"}
 PALLAS_IMPORTERS = {"jpaged/kv_cache.py", "jpaged/models/attention.py"}
+OP_KINDS = {"free", "fork", "retain", "release", "pop", "adopt", "copy", "swap_out", "swap_in",
+            "swap_drop"}
+MAX_ENGINE_IMPORTS = 7
 
 
 def imports_of(path: Path) -> set[str]:
@@ -22,8 +26,27 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
+def jpaged_modules_imported(path: Path) -> set[str]:
+    """The jpaged modules a file imports (`from jpaged.x import Name` counts as jpaged.x)."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules.update(a.name for a in node.names if a.name.split(".")[0] == "jpaged")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "jpaged":
+                modules.update(f"jpaged.{a.name}" for a in node.names)
+            elif node.module.split(".")[0] == "jpaged":
+                modules.add(node.module)
+    return modules
+
+
 def python_files(folder: str):
     return sorted((ROOT / folder).rglob("*.py"))
+
+
+def package_files_outside_blocks():
+    return [path for path in python_files("jpaged")
+            if "blocks" not in path.relative_to(ROOT / "jpaged").parts]
 
 
 def test_kernels_never_import_jpaged():
@@ -55,3 +78,31 @@ def test_only_kv_cache_and_attention_import_kernels():
         rel = path.relative_to(ROOT).as_posix()
         if any(n.split(".")[0] == "pallas_kernels" for n in imports_of(path)):
             assert rel in PALLAS_IMPORTERS, f"{rel} imports pallas_kernels"
+
+
+def test_only_blocks_import_the_mirror():
+    for path in package_files_outside_blocks():
+        assert not any(n.startswith("jpaged.blocks.mirror") for n in imports_of(path)), path
+
+
+def test_block_operation_kinds_are_never_strings_outside_blocks():
+    """Operations are typed (`jpaged.blocks.ops`): no ("free", slots) tuples, no
+    `kind == "fork"` branches anywhere else in the package."""
+    for path in package_files_outside_blocks():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in OP_KINDS:
+                raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} spells the block "
+                                     f"operation {node.value!r} as a string")
+
+
+def test_engine_module_imports_few_jpaged_modules():
+    modules = jpaged_modules_imported(ROOT / "jpaged" / "engine" / "llm_engine.py")
+    assert len(modules) <= MAX_ENGINE_IMPORTS, sorted(modules)
+
+
+def test_the_blocks_package_does_not_import_the_engine_or_models():
+    for path in python_files("jpaged/blocks"):
+        for name in imports_of(path):
+            parts = name.split(".")
+            assert not (parts[0] == "jpaged" and len(parts) > 1
+                        and parts[1] in ENGINE | {"models"}), f"{path} imports {name}"

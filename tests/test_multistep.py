@@ -21,8 +21,8 @@ def engine(path, k, **options):
 
 
 def assert_mirror_matches_device(engine):
-    state = jax.device_get(engine.runner.manager)
-    mirror = engine.mirror
+    state = jax.device_get(engine.executor.manager)
+    mirror = engine.ledger.mirror
     assert int(state.num_free) == mirror.num_free
     assert list(state.free_stack[:mirror.num_free]) == mirror.free_stack
     np.testing.assert_array_equal(state.refcounts, mirror.refcounts)
@@ -113,7 +113,7 @@ def test_loops_evict_cached_blocks_instead_of_running_dry(hf_checkpoints, async_
     first = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts_of([90] * 8, seed=3), sampling_params=first,
                  use_tqdm=False)
-    assert llm.stats()["num_cached_blocks"] >= 40 and llm.engine.mirror.num_free <= 55
+    assert llm.stats()["num_cached_blocks"] >= 40 and llm.engine.ledger.mirror.num_free <= 55
     prompts = prompts_of([15] * 8, seed=4)
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -401,16 +401,15 @@ def test_decode_loop_has_no_data_dependent_control_flow(hf_checkpoints):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_event_replay_equals_iteration_replay(seed):
-    """The scheduler replays a decode loop from its block-boundary and retirement events only;
+    """The ledger replays a decode loop from its block-boundary and retirement events only;
     the mirror must end exactly as after replaying every iteration (the device's order)."""
     import copy
-    import types
 
-    from jpaged.blocks.mirror import HostBlockMirror
-    from jpaged.engine.scheduler import Scheduler
+    from jpaged.blocks.ledger import BlockLedger
 
     rng = np.random.default_rng(seed)
-    mirror = HostBlockMirror(200, 4, 12, 40)
+    template = BlockLedger(200, 4, 12, 40)
+    mirror = template.mirror
     slots = [int(s) for s in rng.permutation(12)[:9]]   # batch order is not slot order
     for slot in slots:
         assert mirror.append([(slot, int(rng.integers(1, 20)))])[0]
@@ -423,17 +422,16 @@ def test_event_replay_equals_iteration_replay(seed):
                    for _ in range(9)]
         if first_planned:  # schedule() appended iteration 0 already
             assert mirror.append([(s, 1) for s, a in zip(slots, active) if a])[0]
-        rows = [types.SimpleNamespace(seq=types.SimpleNamespace(slot=s)) for s in slots]
         states = []
         for replay in ("replay_decode_loop", "_replay_by_iteration"):
-            scheduler = Scheduler(copy.deepcopy(mirror), max_num_seqs=12,
-                                  max_num_batched_tokens=64)
+            ledger = copy.deepcopy(template)
             if replay == "replay_decode_loop":
-                scheduler.replay_decode_loop(rows, active, done_at, num_done, first_planned)
+                ledger.replay_decode_loop(slots, active, done_at, num_done, first_planned)
             else:
-                scheduler._replay_by_iteration(slots, active, done_at, num_done,
-                                               int(first_planned))
-            m = scheduler.mirror
+                ledger._replay_by_iteration(slots, active, done_at, num_done,
+                                            int(first_planned))
+            m = ledger.mirror
             states.append((m.free_stack, m.refcounts, m.tables, m.seq_lens))
         assert states[0] == states[1]
-        mirror = scheduler.mirror
+        template = ledger
+        mirror = ledger.mirror

@@ -36,14 +36,14 @@ def assert_nothing_held(engine):
     assert not engine.has_unfinished()
     cache = engine.scheduler.prefix_cache
     cached = set(cache.entries) if cache else set()
-    for block in range(1, engine.mirror.num_blocks):
-        assert engine.mirror.refcounts[block] == (1 if block in cached else 0), block
+    for block in range(1, engine.ledger.mirror.num_blocks):
+        assert engine.ledger.mirror.refcounts[block] == (1 if block in cached else 0), block
     assert engine.num_free_blocks == engine.config.num_kv_blocks - 1
     assert cache is None or cache.num_evictable() == len(cached)
-    assert len(engine.scheduler.ledger.free_host_blocks) == engine.scheduler.ledger.num_swap_blocks
-    assert not engine.scheduler.pending_ops
-    assert engine.runner.swap_store is None or not engine.runner.swap_store.stored
-    assert all(not table for table in engine.mirror.tables)
+    assert len(engine.ledger.free_host_blocks) == engine.ledger.num_swap_blocks
+    assert not engine.ledger.has_ops
+    assert engine.executor.swap_store is None or not engine.executor.swap_store.stored
+    assert all(not table for table in engine.ledger.mirror.tables)
     assert_mirror_matches_device(engine)
 
 
@@ -91,7 +91,7 @@ def test_full_swap_space_falls_back_to_recompute(hf_checkpoints, expected):
     llm = LLM(hf_checkpoints["llama_gqa"], num_kv_blocks=blocks_needed(prompts, 24) // 4 + 1,
               max_model_len=128, max_num_seqs=32, max_num_batched_tokens=256,
               preemption_mode="swap", swap_space=3 * 8192 / 2**30)
-    assert llm.engine.scheduler.ledger.num_swap_blocks == 3   # 8 KiB blocks: room for 3
+    assert llm.engine.ledger.num_swap_blocks == 3   # 8 KiB blocks: room for 3
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.stats()["num_swapped_out_blocks"] > 0
@@ -187,7 +187,7 @@ def test_random_arrivals_aborts_and_completions_leak_nothing(hf_checkpoints):
     engine = LLMEngine.from_pretrained(
         hf_checkpoints["llama_gqa"], num_kv_blocks=12, max_model_len=96, max_num_seqs=6,
         max_num_batched_tokens=64, preemption_mode="auto", swap_space=6 * 8192 / 2**30)
-    assert engine.scheduler.ledger.num_swap_blocks == 6   # full at times: recompute fallback
+    assert engine.ledger.num_swap_blocks == 6   # full at times: recompute fallback
     engine.swap_rates = {"swap_fixed_seconds": 1.0, "swap_seconds_per_block": 0.0,
                          "prefill_seconds_per_token": 1.0 / 24}   # both modes get used
 

@@ -11,7 +11,7 @@ import pytest
 
 from jpaged import LLM, SamplingParams
 from jpaged.blocks import prefix_cache
-from jpaged.blocks.mirror import HostBlockMirror
+from jpaged.blocks.ledger import BlockLedger
 from jpaged.blocks.prefix_cache import PrefixCache
 from jpaged.request import Request
 from jpaged.engine.scheduler import Scheduler
@@ -79,9 +79,8 @@ def tiny_dummy_model(tmp_path) -> str:
 def scheduled_blocks(prompts, caching: bool) -> int:
     """Blocks the scheduler allocates to prefill `prompts` (each then finishes): the scheduler
     and block mirror alone, which the device follows block for block."""
-    mirror = HostBlockMirror(128 * 65 + 1, 16, 128, 64)
-    scheduler = Scheduler(mirror, max_num_seqs=128, max_num_batched_tokens=4096,
-                          prefix_cache=PrefixCache(16) if caching else None)
+    ledger = BlockLedger(128 * 65 + 1, 16, 128, 64, enable_prefix_caching=caching)
+    scheduler = Scheduler(ledger, max_num_seqs=128, max_num_batched_tokens=4096)
     for index, prompt in enumerate(prompts):
         scheduler.add(Request(f"r{index}", None, prompt, SamplingParams(max_tokens=1), 0, index))
     while scheduler.num_unfinished:
@@ -89,9 +88,9 @@ def scheduled_blocks(prompts, caching: bool) -> int:
             if row.sample_indices:   # the prompt is done: one token, then finished
                 row.seq.token_ids.append(3)
                 row.seq.finish_reason = "length"
-                scheduler.finish([row.seq])
+                ledger.release([row.seq])
                 scheduler.retire(row.request)
-    return mirror.num_popped
+    return ledger.mirror.num_popped
 
 
 def test_shared_system_prompt_is_stored_once(tmp_path):
@@ -119,7 +118,7 @@ def test_shared_system_prompt_is_stored_once(tmp_path):
     # the system prompt once with caching and 128 times without.
     private = 128 * (-(-1023 // 16) - 1000 // 16)
     popped_on, popped_off = scheduled_blocks(prompts, True), scheduled_blocks(prompts, False)
-    assert llm.engine.mirror.num_popped == popped_on
+    assert llm.engine.ledger.mirror.num_popped == popped_on
     assert popped_on - private == 1000 // 16
     assert popped_off - private == 128 * (1000 // 16)
 
@@ -172,7 +171,7 @@ def test_beam_search_evicts_cached_blocks_it_needs(hf_checkpoints):
     llm.generate(prompt_token_ids=prompts_of([60, 60, 60], seed=15),
                  sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    assert llm.engine.mirror.num_free == 15 - 9 and llm.stats()["num_cached_blocks"] == 9
+    assert llm.engine.ledger.mirror.num_free == 15 - 9 and llm.stats()["num_cached_blocks"] == 9
     prompt = prompts_of([30], seed=16)[0]
     params = BeamSearchParams(beam_width=3, max_tokens=12)   # up to 7 blocks: 1 more than free
     got = llm.beam_search([prompt], params)[0]

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jpaged.engine import device_step  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
-from jpaged.engine.builder import resolve_attention_backend  # noqa: E402
+from jpaged.engine.builder import build_engine_config  # noqa: E402
+from jpaged.engine.executor import Executor  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
-from jpaged.engine.executor import ModelRunner  # noqa: E402
 from jpaged.sampling import SamplingParams, SamplingRow  # noqa: E402
 
 
@@ -45,11 +45,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = ModelConfig.preset(args.model)
     model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
-    backend, interpret = resolve_attention_backend(args.attention_backend)
-    runner = ModelRunner(model, num_blocks=args.num_kv_blocks, block_size=16,
-                         max_num_seqs=args.batch, max_model_len=args.max_model_len,
-                         max_num_batched_tokens=args.tokens, kv_dtype=args.dtype,
-                         attention_backend=backend, interpret=interpret)
+    config = build_engine_config(model, num_kv_blocks=args.num_kv_blocks, block_size=16,
+                                 max_num_seqs=args.batch, max_model_len=args.max_model_len,
+                                 max_num_batched_tokens=args.tokens, kv_cache_dtype=args.dtype,
+                                 attention_backend=args.attention_backend,
+                                 preemption_mode="recompute")
+    backend, interpret = config.attention_backend, config.interpret
+    runner = Executor(model, config)
     kv_bytes = sum(x.nbytes for x in runner.cache.k_pages + runner.cache.v_pages)
     weight_bytes = sum(x.nbytes for x in runner.param_leaves)
     pad = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)

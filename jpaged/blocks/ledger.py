@@ -1,66 +1,166 @@
-"""The host's ledger of KV memory: every block operation the scheduler decides, applied to the
-block-manager mirror at once and queued (`pending_ops`) for the device in the same order; the
-prefix cache's index and evictions; the host blocks that hold swapped-out KV.
+"""The host's ledger of KV memory: the only writer of the block-manager mirror and the only
+producer of block operations.
 
-Identical operation sequences keep the mirror and the device block-for-block identical, so the
-runner replays `pending_ops` before the next step. Operation kinds: ("free", slots), ("fork",
-pairs), ("retain", blocks), ("release", blocks), ("pop", count), ("adopt", [(slot, blocks,
-length)]), ("copy", [(src, dst)]: copy-on-write contents of the next step's appends, whose
-destinations the device allocates itself), ("swap_out", (handle, blocks)), ("swap_in", (handle,
-blocks)), ("swap_drop", handle).
+Every decision about blocks goes through here: the ledger applies a typed operation
+(`jpaged.blocks.ops`) to the mirror at once and queues the same operation for the device
+(`take_ops`), so the device allocator, replaying the queue in order, stays block-for-block equal
+to the mirror. It also keeps the block-manager rows ("slots") sequences occupy, the prefix
+cache's index and evictions, the host blocks that hold swapped-out KV, and the replay of what a
+device decode loop did to the device allocator on its own.
+
+Pipelined decode loops are the one place where mirror and device part in time: an operation
+dispatched while loops are in flight lands on the device after the newest of them, so its mirror
+half waits until that loop is replayed (`defer_free` / `free_after_loop`, `evict_behind_loop` /
+`release_after_loop`).
 """
 
 import itertools
 
 from jpaged.blocks.mirror import HostBlockMirror
+from jpaged.blocks.ops import (Adopt, BlockOp, Copy, Fork, Free, Pop, Release, Retain, SwapDrop,
+                               SwapIn, SwapOut)
 from jpaged.blocks.prefix_cache import PrefixCache
 from jpaged.request import Request, Sequence, SwapRecord
 
 
 class BlockLedger:
-    """Mirror + device-op queue + prefix cache (None: share nothing) + host swap blocks."""
+    """Mirror + operation queue + free slots + prefix cache (off: share nothing) + host swap
+    blocks (`num_swap_blocks`)."""
 
-    def __init__(self, mirror: HostBlockMirror, *, prefix_cache: PrefixCache | None = None,
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_blocks_per_seq: int, *, enable_prefix_caching: bool = False,
                  num_swap_blocks: int = 0):
-        self.mirror = mirror
-        self.prefix_cache = prefix_cache
-        self.pending_ops: list[tuple[str, object]] = []
+        self._mirror = HostBlockMirror(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        self._ops: list[BlockOp] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_swap_blocks = num_swap_blocks
         self.free_host_blocks = list(range(num_swap_blocks - 1, -1, -1))
         self._handles = itertools.count()
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
 
-    def queue(self, kind: str, items):
-        self.pending_ops.append((kind, items))
-
-    def queue_copies(self, copies):
-        """Copy-on-write contents for an append the mirror just planned (its per-row (src, dst)
-        or None): the device allocates the same destinations in its append but copies nothing."""
-        planned = [copy for copy in copies if copy is not None]
-        if planned:
-            self.queue("copy", planned)
+    # ---- the queue --------------------------------------------------------------------------
+    def take_ops(self) -> list[BlockOp]:
+        """The operations decided since the last call, in order, for the device."""
+        ops, self._ops = self._ops, []
+        return ops
 
     @property
+    def has_ops(self) -> bool:
+        return bool(self._ops)
+
+    def _do(self, op: BlockOp):
+        """Apply op to the mirror now and queue it for the device."""
+        self._ops.append(op)
+        return op.apply(self._mirror)
+
+    # ---- counts -----------------------------------------------------------------------------
+    @property
     def num_free(self) -> int:
-        return self.mirror.num_free
+        """Blocks on the free stack (cached blocks nobody holds are not counted)."""
+        return self._mirror.num_free
+
+    @property
+    def num_available(self) -> int:
+        """Blocks a new request can get: the free stack plus cached blocks no request holds."""
+        return self.num_free + self.num_evictable()
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def free_slots(self) -> tuple[int, ...]:
+        return tuple(self._free_slots)
+
+    @property
+    def mirror(self) -> HostBlockMirror:
+        """Read-only view for tests and diagnostics; only the ledger writes it."""
+        return self._mirror
+
+    def blocks_needed(self, rows: list[tuple[int, int]], holders: dict) -> int:
+        """New blocks appending (slot, num_tokens) rows would pop (see HostBlockMirror)."""
+        return self._mirror.blocks_needed(rows, holders)
+
+    # ---- slots ------------------------------------------------------------------------------
+    def take_slots(self, count: int) -> list[int]:
+        return [self._free_slots.pop() for _ in range(count)]
+
+    def return_slots(self, slots: list[int]):
+        self._free_slots.extend(slots)
+
+    # ---- appends ----------------------------------------------------------------------------
+    def append(self, rows: list[tuple[int, int]]) -> bool:
+        """Plan appending (slot, num_tokens) rows, in batch order, as the next step's device
+        append will: the device allocates the same blocks itself, so only the copy-on-write
+        contents are queued (a Copy). False (nothing changed) if the pool cannot serve them."""
+        ok, _, copies = self._mirror.append(rows)
+        planned = tuple(copy for copy in copies if copy is not None)
+        if planned:
+            self._ops.append(Copy(planned))
+        return ok
 
     # ---- frees and forks --------------------------------------------------------------------
-    def free(self, slots: list[int]):
-        """Free sequences' blocks in the mirror and (queued) on the device."""
-        if slots:
-            self.free_in_mirror(slots)
-            self.queue("free", slots)
+    def release(self, sequences: list[Sequence], *, index: bool = True):
+        """Sequences give up their blocks and slots (their full blocks offered to the prefix
+        cache first, unless index=False)."""
+        if index:
+            self.index(sequences)
+        slots = [seq.slot for seq in sequences if seq.slot >= 0]
+        self.free(slots)
+        self._free_slots.extend(reversed(slots))
+        for seq in sequences:
+            seq.slot, seq.num_computed, seq.num_indexed = -1, 0, 0
 
-    def free_in_mirror(self, slots: list[int]):
-        """The mirror half of a free the device does itself (in a decode loop) or was sent."""
-        touched = self.mirror.free(slots)
+    def free(self, slots: list[int]):
+        """Free rows' blocks in the mirror and (queued) on the device."""
+        if slots:
+            self._released(self._do(Free(tuple(slots))))
+
+    def _released(self, touched: list[int]):
         if self.prefix_cache is not None:
-            self.prefix_cache.released(touched, self.mirror.refcounts)
+            self.prefix_cache.released(touched, self._mirror.refcounts)
 
     def fork(self, pairs: list[tuple[int, int]]):
-        self.mirror.fork(pairs)
-        self.queue("fork", pairs)
+        """(parent slot, child slot) pairs: each empty child shares all its parent's blocks."""
+        if pairs:
+            self._do(Fork(tuple(pairs)))
+
+    def fork_children(self, request: Request, children: list[Sequence]):
+        """Children share all of sequence 0's blocks; their slots were reserved at admission."""
+        parent = request.sequences[0]
+        pairs = []
+        for child in children:
+            child.slot = request.reserved_slots.pop()
+            child.num_computed = parent.num_computed
+            pairs.append((parent.slot, child.slot))
+        self.fork(pairs)
+
+    # ---- sequences still live in decode loops in flight -------------------------------------
+    def defer_free(self, sequences: list[Sequence]):
+        """Queue the device free of sequences live in loops in flight (it lands after the newest
+        of them); the mirror half is `free_after_loop`, once that loop is replayed."""
+        slots = [seq.slot for seq in sequences if seq.slot >= 0]
+        if slots:
+            self._ops.append(Free(tuple(slots)))
+
+    def free_after_loop(self, sequences: list[Sequence]):
+        """The mirror half of a `defer_free`, and the slots."""
+        slots = [seq.slot for seq in sequences if seq.slot >= 0]
+        if slots:
+            self._released(Free(tuple(slots)).apply(self._mirror))
+        self.release_freed(sequences)
+
+    def release_freed(self, sequences: list[Sequence]):
+        """Sequences whose blocks are already free on both sides (a decode loop retired them
+        and its replay freed them in the mirror): slots only."""
+        for seq in sequences:
+            if seq.slot >= 0:
+                self._free_slots.append(seq.slot)
+            seq.slot, seq.num_computed, seq.num_indexed = -1, 0, 0
 
     # ---- prefix cache -----------------------------------------------------------------------
     def index(self, sequences):
@@ -70,12 +170,12 @@ class BlockLedger:
         cache = self.prefix_cache
         if cache is None:
             return
-        size, retained = self.mirror.block_size, []
+        size, retained = self.block_size, []
         for seq in sequences:
             full = seq.num_computed // size
             if seq.slot < 0 or seq.num_indexed >= full:
                 continue
-            table = self.mirror.tables[seq.slot]
+            table = self._mirror.tables[seq.slot]
             keys = cache.keys_for(seq.token_ids, seq.block_keys, full)
             for i in range(seq.num_indexed, full):
                 tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
@@ -83,8 +183,7 @@ class BlockLedger:
                     retained.append(table[i])
             seq.num_indexed = full
         if retained:
-            self.mirror.retain(retained)
-            self.queue("retain", retained)
+            self._do(Retain(tuple(retained)))
 
     def num_evictable(self, protected=()) -> int:
         return 0 if self.prefix_cache is None else self.prefix_cache.num_evictable(protected)
@@ -96,30 +195,33 @@ class BlockLedger:
             return True
         if self.num_evictable(protected) < count:
             return False
-        dropped = self.prefix_cache.evict(count, protected)
-        self.mirror.release(dropped)
-        self.queue("release", dropped)
+        self._do(Release(tuple(self.prefix_cache.evict(count, protected))))
         return True
+
+    def evict_all(self):
+        """Return every cached block nobody holds to the free stack."""
+        self.evict(self.num_evictable())
 
     def evict_behind_loop(self, count: int) -> list[int] | None:
         """Evict `count` cached blocks while a decode loop is in flight: the device release is
         queued now (it lands after that loop), and the caller applies the returned blocks to the
-        mirror with `release_in_mirror` after replaying the loop, keeping the free stacks in the
-        same order. None (nothing evicted) if the cache cannot."""
+        mirror with `release_after_loop` after replaying the loop, keeping the free stacks in
+        the same order. None (nothing evicted) if the cache cannot."""
         if self.num_evictable() < count:
             return None
         dropped = self.prefix_cache.evict(count, ())
-        self.queue("release", dropped)
+        self._ops.append(Release(tuple(dropped)))
         return dropped
 
-    def release_in_mirror(self, blocks: list[int]):
-        self.mirror.release(blocks)
+    def release_after_loop(self, blocks: list[int]):
+        if blocks:
+            Release(tuple(blocks)).apply(self._mirror)
 
     def lookup(self, sequences: list[Sequence]) -> list[list[int]]:
         """Cached leading blocks per sequence (at least one token is left to compute)."""
         if self.prefix_cache is None:
             return [[] for _ in sequences]
-        size = self.mirror.block_size
+        size = self.block_size
         return [self.prefix_cache.match(seq.token_ids, seq.block_keys,
                                         (len(seq.token_ids) - 1) // size) for seq in sequences]
 
@@ -127,53 +229,124 @@ class BlockLedger:
         """Sequences (with slots, empty) take their cached blocks: +1 reference each."""
         if self.prefix_cache is None:
             return
-        size = self.mirror.block_size
+        size = self.block_size
         for seq, seq_hits in zip(sequences, hits):
             self.prefix_cache.record_lookup(len(seq.token_ids), len(seq_hits) * size)
             self.prefix_cache.acquire(seq_hits)
             seq.num_indexed = len(seq_hits)
-        items = [(seq.slot, seq_hits, len(seq_hits) * size)
-                 for seq, seq_hits in zip(sequences, hits) if seq_hits]
+        items = tuple((seq.slot, tuple(seq_hits), len(seq_hits) * size)
+                      for seq, seq_hits in zip(sequences, hits) if seq_hits)
         if items:
-            self.mirror.adopt(items)
-            self.queue("adopt", items)
+            self._do(Adopt(items))
+
+    # ---- room for decode loops (they allocate on the device, from the free stack only) ------
+    def make_room_for_loop(self, sequences: list[Sequence], num_tokens: int):
+        """Before a decode loop is launched (none in flight): evict cached blocks until the free
+        stack can serve num_tokens more tokens for every sequence. Best effort: what the cache
+        cannot give, the loop reports as out_of_blocks and the next schedule preempts."""
+        deficit = (self._mirror.blocks_for_tokens([seq.slot for seq in sequences], num_tokens)
+                   - self._mirror.num_free)
+        if deficit > 0:
+            self.evict(min(deficit, self.num_evictable()))
+
+    def room_behind_loop(self, sequences: list[Sequence], num_tokens: int) -> list[int] | None:
+        """While a loop is in flight (its tokens not yet in the mirror): make the free stack able
+        to serve num_tokens more tokens per sequence, counted from the mirror, by evicting cached
+        blocks behind the loop. Returns the evicted blocks, which the mirror must release after
+        replaying the in-flight loop ([] if none were needed), or None if there is no room."""
+        deficit = (self._mirror.blocks_for_tokens([seq.slot for seq in sequences], num_tokens)
+                   - self._mirror.num_free)
+        return [] if deficit <= 0 else self.evict_behind_loop(deficit)
+
+    def replay_decode_loop(self, slots: list[int], active: list[bool], done_at: list[int],
+                           num_done: int, first_planned: bool):
+        """Repeat on the mirror what a device decode loop did to the allocator: iteration i
+        appends one token to every row live at i, then frees the rows that finished at i. When
+        `first_planned`, `append` already planned iteration 0. The device did these frees
+        itself: nothing is queued."""
+        first = int(first_planned)  # the first iteration still to replay
+        mirror, size = self._mirror, self.block_size
+        if not first_planned and any(
+                live and mirror.seq_lens[slot] % size
+                and mirror.refcounts[mirror.tables[slot][-1]] > 1
+                for slot, live in zip(slots, active)):
+            return self._replay_by_iteration(slots, active, done_at, num_done, first)
+        # Only block-boundary crossings and retirements change the free stack, so replay those
+        # events in the device's order (iteration, then appends before frees, then batch
+        # order) instead of every token: O(events), not O(rows x iterations).
+        events, grown = [], []
+        for index, (slot, live, done) in enumerate(zip(slots, active, done_at)):
+            if not live:
+                continue
+            last = done if done >= 0 else num_done - 1   # the last iteration it appended at
+            # iteration i appends the token at position seq_len + i - first
+            events += [(step, 0, index) for step in
+                       range(first + (-mirror.seq_lens[slot]) % size, last + 1, size)]
+            if done >= 0:
+                events.append((done, 1, index))
+            else:
+                grown.append((slot, last + 1 - first))
+        events.sort()
+        retired = []
+        for position, (step, is_free, index) in enumerate(events):
+            if is_free:
+                retired.append(slots[index])
+                if position + 1 == len(events) or events[position + 1][:2] != (step, 1):
+                    self._released(mirror.free(retired))   # one iteration's frees together
+                    retired = []
+            else:
+                mirror.add_block(slots[index])
+        for slot, count in grown:
+            mirror.seq_lens[slot] += count
+
+    def _replay_by_iteration(self, slots, active, done_at, num_done: int, first: int):
+        """replay_decode_loop one iteration at a time: the general case (copies-on-write)."""
+        for step in range(num_done):
+            if step >= first:
+                ok, _, _ = self._mirror.append([
+                    (slot, 1) for slot, live, done in zip(slots, active, done_at)
+                    if live and (done < 0 or done >= step)])
+                assert ok, "device decode loop appended what the mirror cannot"
+            retired = [slot for slot, live, done in zip(slots, active, done_at)
+                       if live and done == step]
+            if retired:
+                self._released(self._mirror.free(retired))
 
     # ---- swap -------------------------------------------------------------------------------
     def distinct_blocks(self, sequences) -> list[int]:
-        return list(dict.fromkeys(b for seq in sequences for b in self.mirror.tables[seq.slot]))
+        return list(dict.fromkeys(b for seq in sequences for b in self._mirror.tables[seq.slot]))
 
     def swap_out(self, request: Request, live: list[Sequence], blocks: list[int]):
         """Copy the live sequences' distinct blocks to host blocks (one transfer), then free
-        them on the device; the sequences keep num_computed and lose their slots."""
+        them and their slots; the sequences keep num_computed."""
         host_ids = [self.free_host_blocks.pop() for _ in blocks]
         position = {block: i for i, block in enumerate(blocks)}
         request.swap = SwapRecord(
             next(self._handles), host_ids,
-            {seq.index: [position[b] for b in self.mirror.tables[seq.slot]] for seq in live},
+            {seq.index: [position[b] for b in self._mirror.tables[seq.slot]] for seq in live},
             {seq.index: seq.num_computed for seq in live})
-        self.queue("swap_out", (request.swap.handle, blocks))
+        self._ops.append(SwapOut(request.swap.handle, tuple(blocks)))
         self.num_swapped_out_blocks += len(blocks)
-        self.free([seq.slot for seq in live])
+        slots = [seq.slot for seq in live]
+        self.free(slots)
+        self._free_slots.extend(reversed(slots))
         for seq in live:
             seq.slot = -1
-            seq.num_indexed = seq.num_computed // self.mirror.block_size  # copies: not indexed
+            seq.num_indexed = seq.num_computed // self.block_size  # copies: not indexed
 
     def swap_in(self, request: Request):
         """Pop fresh blocks, give each live sequence (slots assigned) its table, copy the host
         blocks in (one transfer)."""
         record = request.swap
-        fresh = self.mirror.pop(len(record.host_ids))
-        self.queue("pop", len(fresh))
-        items = [(seq.slot, [fresh[i] for i in record.tables[seq.index]],
-                  record.lengths[seq.index]) for seq in request.live_sequences]
-        self.mirror.adopt(items)
-        self.queue("adopt", items)
-        self.queue("swap_in", (record.handle, fresh))
+        fresh = self._do(Pop(len(record.host_ids)))
+        self._do(Adopt(tuple((seq.slot, tuple(fresh[i] for i in record.tables[seq.index]),
+                              record.lengths[seq.index]) for seq in request.live_sequences)))
+        self._ops.append(SwapIn(record.handle, tuple(fresh)))
         self.num_swapped_in_blocks += len(fresh)
         self.free_host_blocks.extend(record.host_ids)
         request.swap = None
 
     def drop_swap(self, request: Request):
-        self.queue("swap_drop", request.swap.handle)
+        self._ops.append(SwapDrop(request.swap.handle))
         self.free_host_blocks.extend(request.swap.host_ids)
         request.swap = None

@@ -188,18 +188,20 @@ def max_blocks(prompt_len: int, max_new_tokens: int, beam_width: int, block_size
 
 # ---- the driver -------------------------------------------------------------------------------
 class _Driver:
-    """Runs the searches through the engine's runner, batching all beams of all admitted prompts
-    into one step; every mirror fork/free is queued for the device in the same order."""
+    """Runs the searches through the engine's ledger and executor, batching all beams of all
+    admitted prompts into one step; every fork and free goes through the ledger, which queues it
+    for the device in the same order."""
 
     def __init__(self, engine, params: BeamSearchParams, keep: int):
-        self.engine = engine
+        self.ledger, self.executor = engine.ledger, engine.executor
+        self.apply_block_ops = engine.apply_block_ops
+        self.max_num_batched_tokens = engine.config.max_num_batched_tokens
         self.params = params
         self.keep = keep
         self.sampling = SamplingParams(temperature=0.0, max_tokens=1, logprobs=keep)
-        ledger = engine.scheduler.ledger   # idle engine: cached blocks nobody holds go back
-        ledger.evict(ledger.num_evictable())
-        engine._flush_block_ops()
-        self.pool = engine.mirror.num_free
+        self.ledger.evict_all()   # idle engine: cached blocks nobody holds go back
+        self.apply_block_ops()
+        self.pool = self.ledger.num_free
         self.active: list[_Search] = []
 
     def run(self, searches: list[_Search]):
@@ -215,29 +217,26 @@ class _Driver:
         finally:
             for search in list(self.active):
                 self._retire(search)
-            self.engine._flush_block_ops()
+            self.apply_block_ops()
 
     def _can_admit(self, search: _Search) -> bool:
         reserved = sum(s.max_blocks for s in self.active)
-        return (len(self.engine.scheduler.free_slots) >= self.params.beam_width
+        return (self.ledger.num_free_slots >= self.params.beam_width
                 and reserved + search.max_blocks <= self.pool)
 
     def _admit(self, search: _Search):
-        free_slots = self.engine.scheduler.free_slots
-        search.spare_slots = [free_slots.pop() for _ in range(self.params.beam_width)]
+        search.spare_slots = self.ledger.take_slots(self.params.beam_width)
         search.beams = [Beam([], 0.0, search.spare_slots.pop())]
         self.active.append(search)
 
     def _step(self):
         rows, sampled = self._plan()
-        ok, _, copies = self.engine.mirror.append([(slot, len(tokens)) for slot, tokens in rows])
-        if not ok:
+        if not self.ledger.append([(slot, len(tokens)) for slot, tokens in rows]):
             raise RuntimeError("beam search ran out of KV blocks its reservation promised")
-        self.engine.scheduler.ledger.queue_copies(copies)
-        self.engine._flush_block_ops()
+        self.apply_block_ops()
         sampling_rows = [(row, SamplingRow(self.sampling, 0, 0, position))
                          for row, (_, position) in enumerate(sampled) if position is not None]
-        _, _, top_ids, top_logprobs = self.engine.runner.execute(rows, sampling_rows, self.keep)
+        _, _, top_ids, top_logprobs = self.executor.execute(rows, sampling_rows, self.keep)
         results = iter(zip(top_ids, top_logprobs))
         by_search: dict[int, list] = collections.defaultdict(list)
         for search, position in sampled:
@@ -256,7 +255,7 @@ class _Driver:
                 for beam in search.beams:
                     rows.append((beam.slot, beam.token_ids[-1:]))
                     sampled.append((search, len(search.prompt_token_ids) + len(beam.token_ids)))
-        budget = self.engine.config.max_num_batched_tokens - len(rows)
+        budget = self.max_num_batched_tokens - len(rows)
         for search in self.active:
             if search.is_prefilled or budget <= 0:
                 continue
@@ -291,20 +290,17 @@ class _Driver:
                 reused.add(candidate.parent)
             search.beams.append(Beam(parent.token_ids + [candidate.token_id],
                                      candidate.cum_logprob, slot))
-        if pairs:
-            self.engine.mirror.fork(pairs)
-            self.engine.scheduler.pending_ops.append(("fork", pairs))
+        self.ledger.fork(pairs)
 
     def _free(self, search: _Search, slots: list[int]):
         if slots:
-            self.engine.mirror.free(slots)
-            self.engine.scheduler.pending_ops.append(("free", slots))
+            self.ledger.free(slots)
             search.spare_slots.extend(slots)
 
     def _retire(self, search: _Search):
         self._free(search, [beam.slot for beam in search.beams])
         search.beams = []
-        self.engine.scheduler.free_slots.extend(search.spare_slots)
+        self.ledger.return_slots(search.spare_slots)
         search.spare_slots = []
         self.active.remove(search)
 
@@ -369,8 +365,8 @@ def _prompt_tokens(engine, prompt) -> tuple[str | None, list[int]]:
                              f"'prompt_token_ids'; got {sorted(prompt)}")
         prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
     if isinstance(prompt, str):   # the engine's own validation of prompts
-        return prompt, engine._prompt_tokens(prompt, None)
+        return prompt, engine.inputs.prompt_tokens(prompt, None)
     if isinstance(prompt, (list, tuple)) and all(
             isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-        return None, engine._prompt_tokens(None, prompt)
+        return None, engine.inputs.prompt_tokens(None, prompt)
     raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")

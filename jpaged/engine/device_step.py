@@ -1,6 +1,6 @@
 """The jitted device programs: one step of any mix, and the multi-step decode loop, which can
 continue from the previous loop's results on the device. Everything here runs on the device;
-`runner.py` builds the inputs, picks the shapes and dispatches.
+`executor.py` builds the inputs, picks the shapes and dispatches.
 
 Both programs DONATE the block-manager state (argument 1) and the KV cache (argument 2): XLA
 updates them in place, and callers must replace their references with the returned ones.
@@ -361,12 +361,3 @@ def step_program(num_tokens: int):
 def decode_loop(batch: int):
     """The jitted `decode_loop_impl` for a loop of batch (padded) rows."""
     return _DECODE_LOOPS[batch <= TRITON_GEMM_MAX_TOKENS]
-
-
-free_program = jax.jit(allocator.free_seqs, donate_argnums=0)
-copy_program = jax.jit(kv_cache.copy_blocks, donate_argnums=0)
-fork_program = jax.jit(allocator.fork_seqs, donate_argnums=0)
-retain_program = jax.jit(allocator.retain_blocks, donate_argnums=0)
-release_program = jax.jit(allocator.release_blocks, donate_argnums=0)
-pop_program = jax.jit(allocator.pop_blocks, donate_argnums=0)
-adopt_program = jax.jit(allocator.adopt_blocks, donate_argnums=0)

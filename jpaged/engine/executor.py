@@ -1,11 +1,12 @@
-"""The model runner: the device-side state, shape buckets, input building, dispatch, warm-up.
+"""The executor: all device state (block-manager pytree, KV cache, swap store, model
+parameters), block operations applied in the ledger's order, input building, dispatch of the
+jitted programs of `device_step.py`, compilation accounting and warm-up.
 
-The runner owns the device state (block-manager pytree, KV cache, model parameters) and calls the
-jitted programs of `device_step.py`. One step takes one host-to-device transfer (its `StepInputs`
-packed into one buffer) and returns one device-to-host transfer of the sampled tokens; a decode
-loop likewise, and a chained loop one small transfer of keep flags. The programs DONATE the
-block-manager state and the KV cache, so XLA updates both in place; the runner's references to
-the old buffers are replaced by the returned ones on every call.
+One step takes one host-to-device transfer (its `StepInputs` packed into one buffer) and returns
+one device-to-host transfer of the sampled tokens; a decode loop likewise, and a chained loop one
+small transfer of keep flags. The programs DONATE the block-manager state and the KV cache, so
+XLA updates both in place; the executor's references to the old buffers are replaced by the
+returned ones on every call.
 
 Shapes are padded to buckets (powers of two between a floor and a cap) so the number of
 compilations is bounded: tokens T, sequences B and sampled rows R; decode-only steps use T = B.
@@ -20,11 +21,22 @@ import numpy as np
 
 from jpaged import kv_cache, parallel
 from jpaged.blocks import allocator
-from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, adopt_program,
-                                copy_program, decode_loop, fork_program, free_program, fresh_result, pack,
-                                pop_program, release_program, result_layout, retain_program,
-                                split_model, step_program, unpack_host)
-from jpaged.sampling import MAX_LOGPROBS, SAMPLER_MODES, SamplingTensors, sampler_mode
+from jpaged.blocks.ops import OPERATIONS, BlockOp, bucket, bucket_sizes
+from jpaged.blocks.swap import SwapStore, transfer_rate_probe
+from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, decode_loop,
+                                       fresh_result, pack, result_layout, split_model,
+                                       step_program, unpack_host)
+from jpaged.request import Samples
+from jpaged.sampling import (MAX_LOGPROBS, SAMPLER_MODES, SamplingParams, SamplingRow,
+                             SamplingTensors, sampler_mode)
+
+
+def enable_compilation_cache(directory: str):
+    """Persist compiled executables under `directory`, so a second start skips compiling.
+    This is a process-wide JAX setting (every engine in the process shares the cache)."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @dataclasses.dataclass
@@ -41,65 +53,45 @@ class LaunchedLoop:
     start: float
 
 
-OP_CHUNK = 256   # most blocks one retain/release program takes (longer lists go in chunks)
-BLOCK_OPS = ("free", "fork", "retain", "release", "pop", "adopt")
+class Executor:
+    """Device state, block operations and the compiled programs.
 
+    model: an NNX model (its `config`, `mesh`). config: the engine's `EngineConfig`; unless
+    preemption is by recompute only, `swap_space` GiB of host memory hold swapped-out blocks.
+    """
 
-def _pad_rows(items, size: int, width: int = 0):
-    """items as an int32 array of `size` rows, padded with -1."""
-    shape = (size, width) if width else (size,)
-    out = np.full(shape, -1, np.int32)
-    if items:
-        out[:len(items)] = items
-    return out
-
-
-def _padding_op(kind: str, size: int):
-    """A block operation of `size` padded entries, which changes nothing (for warm-up)."""
-    if kind == "pop":
-        return ("pop", 0)
-    if kind in ("fork", "copy"):
-        return (kind, [(-1, -1)] * size)
-    if kind == "adopt":
-        return ("adopt", [(-1, [], 0)] * size)
-    return (kind, [-1] * size)
-
-
-def bucket(n: int, floor: int, cap: int) -> int:
-    """Smallest power of two >= n (at least floor), capped at cap (which must be >= n)."""
-    if n > cap:
-        raise ValueError(f"{n} exceeds the largest bucket {cap}")
-    size = max(floor, 1 << max(n - 1, 0).bit_length())
-    return min(size, cap)
-
-
-class ModelRunner:
-    """Device state and the compiled step."""
-
-    def __init__(self, model, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, max_num_batched_tokens: int, kv_dtype,
-                 attention_backend: str = "reference", interpret: bool = False):
-        config = model.config
+    def __init__(self, model, config):
+        model_config = model.config
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
         self.model_def, self.param_leaves = split_model(model)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.attention_backend = attention_backend
-        self.interpret = interpret
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.attention_backend = config.attention_backend
+        self.interpret = config.interpret
         # Tensor parallelism (model.mesh, `jpaged.parallel`): the block manager and the inputs
         # are replicated on the mesh, the cache split along kv heads. None: one device.
         self.mesh = model.mesh
         self.input_sharding = parallel.replicated(self.mesh)
-        self.manager = allocator.init_state(num_blocks, block_size, max_num_seqs,
-                                         self.max_blocks_per_seq)
+        self.manager = allocator.init_state(config.num_kv_blocks, config.block_size,
+                                            config.max_num_seqs, self.max_blocks_per_seq)
         if self.mesh is not None:
             self.manager = jax.device_put(self.manager, self.input_sharding)
         self.cache = kv_cache.init_cache(
-            config.num_hidden_layers, parallel.num_cache_kv_heads(config.num_key_value_heads,
-                                                                  self.mesh),
-            num_blocks, block_size, config.head_dim, kv_dtype,
+            model_config.num_hidden_layers,
+            parallel.num_cache_kv_heads(model_config.num_key_value_heads, self.mesh),
+            config.num_kv_blocks, config.block_size, model_config.head_dim, config.kv_dtype,
             sharding=parallel.cache_sharding(self.mesh))
-        self.swap_store = None            # a SwapStore once swapping is enabled
+        self.bytes_per_block = kv_cache.bytes_per_block(
+            model_config.num_hidden_layers, model_config.num_key_value_heads,
+            model_config.head_dim, config.block_size, config.kv_dtype)
+        self.num_swap_blocks = (0 if config.preemption_mode == "recompute"
+                                else int(config.swap_space * 2**30 // self.bytes_per_block))
+        self.swap_store = (SwapStore(config.num_kv_blocks, self.bytes_per_block)
+                           if self.num_swap_blocks else None)
+        self.swap_rates = None            # measured by measure_swap_rates
         self.compiled_shapes: set = set()
         self._fresh: dict = {}            # shape -> (fresh_result, control) on the device
         self._controls: dict = {}         # (batch, rows, num_steps) -> all-kept control vector
@@ -110,54 +102,15 @@ class ModelRunner:
         self.strict_compilation = False   # set after warm-up to make any new shape an error
         self.last_device_seconds = 0.0    # last step: inputs to device, compiled call, results back
 
-    # ---- block-manager operations queued by the scheduler ----------------------------------
-    def apply_ops(self, ops):
-        """Replay the scheduler's block operations on the device, in the scheduler's order
-        (see `jpaged.scheduler` for the kinds). Block lists go in chunks of at most
-        OP_CHUNK entries and row lists in max_num_seqs buckets, so shapes stay few."""
-        row_cap = max(4, self.max_num_seqs)
-        for kind, items in ops:
-            if kind == "free":
-                ids = _pad_rows(items, bucket(len(items), 4, row_cap))
-                self._timed(("free", ids.shape[0]), free_program, self.manager, ids)
-            elif kind == "fork":
-                pairs = _pad_rows(items, bucket(len(items), 4, row_cap), width=2)
-                self._timed(("fork", pairs.shape[0]), fork_program, self.manager, pairs[:, 0],
-                            pairs[:, 1])
-            elif kind in ("retain", "release"):
-                program = retain_program if kind == "retain" else release_program
-                for start in range(0, len(items), OP_CHUNK):
-                    part = items[start:start + OP_CHUNK]
-                    ids = _pad_rows(part, bucket(len(part), 4, OP_CHUNK))
-                    self._timed((kind, ids.shape[0]), program, self.manager, ids)
-            elif kind == "pop":
-                self._timed(("pop",), pop_program, self.manager, np.int32(items))
-            elif kind == "copy":  # copy-on-write contents, (src, dst) pairs the mirror planned
-                pairs = _pad_rows(items, bucket(len(items), 4, row_cap), width=2)
-                self.cache = self._timed(("copy", pairs.shape[0]), copy_program, self.cache,
-                                         pairs)
-            elif kind == "adopt":
-                self._adopt(items, row_cap)
-            elif kind == "swap_out":
-                self.swap_store.swap_out(self.cache, *items)
-            elif kind == "swap_in":
-                self.cache = self.swap_store.swap_in(self.cache, *items)
-            elif kind == "swap_drop":
-                self.swap_store.drop(items)
-            else:
-                raise ValueError(f"unknown block operation {kind!r}")
+    # ---- block operations, in the ledger's order --------------------------------------------
+    def apply(self, ops: list[BlockOp]):
+        """Run the ledger's block operations on the device, in order."""
+        for op in ops:
+            op.run(self)
 
-    def _adopt(self, items, row_cap):
-        size = bucket(len(items), 4, row_cap)
-        seq_ids = np.full(size, -1, np.int32)
-        tables = np.full((size, self.max_blocks_per_seq), kv_cache.SINK_BLOCK, np.int32)
-        lengths = np.zeros(size, np.int32)
-        for row, (seq_id, blocks, length) in enumerate(items):
-            seq_ids[row], lengths[row] = seq_id, length
-            tables[row, :len(blocks)] = blocks
-        self._timed(("adopt", size), adopt_program, self.manager, seq_ids, tables, lengths)
-
-    def _timed(self, key, fn, *args, **kwargs):
+    def dispatch(self, key, program, *args, **kwargs):
+        """program(*args, **kwargs); the first call of a shape `key` is a compilation, counted
+        (and an error once strict compilation is on)."""
         is_new = key not in self.compiled_shapes
         if is_new and self.strict_compilation:
             raise RuntimeError(f"shape {key} was not compiled at warm-up and strict compilation "
@@ -165,14 +118,29 @@ class ModelRunner:
         if key[0] in ("step", "decode"):
             self.last_step_compiled = is_new
         start = time.perf_counter()
-        result = fn(*args, **kwargs)
+        result = program(*args, **kwargs)
         if is_new:
             jax.block_until_ready(result)
             self.compiled_shapes.add(key)
             self.compile_seconds += time.perf_counter() - start
-        if key[0] in BLOCK_OPS:
-            self.manager = result
         return result
+
+    # ---- swap-or-recompute policy -----------------------------------------------------------
+    def measure_swap_rates(self) -> dict:
+        """The start-up measurements the "auto" preemption policy compares: a swap round trip
+        (fixed seconds + seconds per block) and the prefill rate (seconds per token)."""
+        typical = self.max_blocks_per_seq
+        self.cache, fixed, per_block = transfer_rate_probe(
+            self.swap_store, self.cache, min(typical, self.manager.num_blocks - 1))
+        self.swap_rates = {"swap_fixed_seconds": fixed, "swap_seconds_per_block": per_block,
+                           "prefill_seconds_per_token": self.measure_prefill_seconds_per_token()}
+        return self.swap_rates
+
+    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
+        """Is swapping num_blocks out and back cheaper than prefilling num_tokens again?"""
+        rates = self.swap_rates
+        swap = rates["swap_fixed_seconds"] + rates["swap_seconds_per_block"] * num_blocks
+        return swap < rates["prefill_seconds_per_token"] * num_tokens
 
     # ---- the step ---------------------------------------------------------------------------
     def execute(self, rows, sampling_rows, num_logprobs: int):
@@ -188,7 +156,7 @@ class ModelRunner:
         start = time.perf_counter()
         packed, layout = pack(inputs)
         program = step_program(inputs.token_ids.shape[0])
-        self.manager, self.cache, out, ok = self._timed(
+        self.manager, self.cache, out, ok = self.dispatch(
             key, program, self.param_leaves, self.manager, self.cache, self._put(packed),
             layout=layout, model_def=self.model_def, is_decode=is_decode,
             num_logprobs=logprob_bucket, backend=self.attention_backend,
@@ -202,13 +170,26 @@ class ModelRunner:
         return (out.token_ids[:count], out.logprobs[:count], out.top_ids[:count],
                 out.top_logprobs[:count])
 
-    def execute_decode(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
-                       max_steps: int, max_model_len: int, num_logprobs: int):
-        """Run up to num_steps decode iterations in one device loop and wait for the result
-        (launch_decode then fetch_decode)."""
-        launched = self.launch_decode(rows, sampling_rows, remaining, stop_ids, num_steps,
-                                      max_steps, max_model_len, num_logprobs)
-        return self.fetch_decode(launched, len(rows))
+    def run_rows(self, rows, block_ops: list) -> list:
+        """Apply the step's block operations, then run one compiled step of any mix for the
+        scheduled rows (`ScheduledRow`s); returns [(row, sample_index, Samples)] for every
+        sample drawn."""
+        self.apply(block_ops)
+        inputs = [(row.seq.slot, row.token_ids) for row in rows]
+        sampling_rows, targets = [], []
+        for index, row in enumerate(rows):
+            position = row.start + row.num_tokens
+            for sample_index in row.sample_indices:
+                sampling_rows.append((index, SamplingRow(row.request.params, row.request.seed,
+                                                         sample_index, position)))
+                targets.append((row, sample_index))
+        num_logprobs = max(row.request.params.logprobs or 0 for row in rows)
+        token_ids, logprobs, top_ids, top_logprobs = self.execute(inputs, sampling_rows,
+                                                                  num_logprobs)
+        token_ids, logprobs = token_ids.tolist(), logprobs.tolist()
+        return [(row, sample_index, Samples(token_ids[i:i + 1], logprobs[i:i + 1],
+                                            top_ids[i:i + 1], top_logprobs[i:i + 1]))
+                for i, (row, sample_index) in enumerate(targets)]
 
     def launch_decode(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
                       max_steps: int, max_model_len: int, num_logprobs: int) -> "LaunchedLoop":
@@ -287,7 +268,7 @@ class ModelRunner:
         """batch: (rows, stop-id width) buckets of the loop's inputs."""
         key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
         start = time.perf_counter()
-        self.manager, self.cache, result, packed = self._timed(
+        self.manager, self.cache, result, packed = self.dispatch(
             key, decode_loop(batch[0]), self.param_leaves, self.manager, self.cache, packed,
             previous_result, control, layout=layout, model_def=self.model_def,
             backend=self.attention_backend, interpret=self.interpret, **static)
@@ -314,7 +295,6 @@ class ModelRunner:
     def measure_prefill_seconds_per_token(self, repeats: int = 3) -> float:
         """Device seconds per token of the largest prefill step (padding only, nothing changes),
         best of `repeats` after one untimed call."""
-        from jpaged.sampling import SamplingParams, SamplingRow
         size = self.max_num_batched_tokens
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
         best = float("inf")
@@ -325,10 +305,6 @@ class ModelRunner:
         self.num_padded_tokens = self.num_real_tokens = 0
         return best / bucket(size, min(128, size), size)
 
-    def bucket_sizes(self, floor: int, cap: int) -> list[int]:
-        """Every bucket `bucket(n, floor, cap)` can return, smallest first."""
-        return sorted({bucket(n, floor, cap) for n in range(1, cap + 1)})
-
     def warmup(self, *, max_steps: int, max_model_len: int, progress: bool = True):
         """Compile every bucket shape now, with all-padding inputs that change no state.
 
@@ -336,30 +312,23 @@ class ModelRunner:
         mixed steps for each token bucket (all with and without top logprobs); every
         block-operation size, and the swap transfers.
         """
-        from jpaged.sampling import SamplingParams, SamplingRow
         from tqdm.auto import tqdm
 
         jobs = []
         for logprobs in (0, 1):
-            for batch in self.bucket_sizes(4, self.max_num_seqs):
+            for batch in bucket_sizes(4, self.max_num_seqs):
                 jobs += [("loop:" + mode, batch, logprobs) for mode in SAMPLER_MODES]
                 jobs.append(("decode_step", batch, logprobs))
-            for tokens in self.bucket_sizes(min(128, self.max_num_batched_tokens),
-                                            self.max_num_batched_tokens):
+            for tokens in bucket_sizes(min(128, self.max_num_batched_tokens),
+                                       self.max_num_batched_tokens):
                 jobs.append(("step", tokens, logprobs))
-        for kind in ("free", "fork", "adopt", "copy"):
-            jobs += [(kind, size, 0) for size in self.bucket_sizes(4, max(4, self.max_num_seqs))]
-        for kind in ("retain", "release"):
-            jobs += [(kind, size, 0) for size in self.bucket_sizes(4, OP_CHUNK)]
-        jobs.append(("pop", 0, 0))
-        if self.swap_store is not None:
-            jobs.append(("swap", 0, 0))
+        jobs += [("block_op", op, 0) for op in OPERATIONS]
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
         mode_rows = {"greedy": pad_row,  # a row that needs exactly this sampler mode
                      "random": SamplingRow(SamplingParams(temperature=1.0), 0, 0, 0),
                      "sort": SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, 0, 0)}
         for job, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
-            kind, _, mode = job.partition(":")
+            kind, _, mode = job.partition(":")  # size: a bucket, or an operation class
             if kind == "loop":
                 launched = self.launch_decode(
                     [(-1, 0)] * size, [mode_rows[mode]] * size, [0] * size, [[]] * size, 1,
@@ -370,10 +339,8 @@ class ModelRunner:
                 self.execute([(-1, [0] * size)], [(0, pad_row)], logprobs)
             elif kind == "decode_step":  # a single decode step (requests are waiting)
                 self.execute([(-1, [0])] * size, [(0, pad_row)], logprobs)
-            elif kind == "swap":
-                self.cache = self.swap_store.warmup(self.cache)
-            else:  # padding only: operations on nothing
-                self.apply_ops([_padding_op(kind, size)])
+            else:  # a block operation's every shape, on nothing
+                size.warm_up(self)
         self.num_padded_tokens = self.num_real_tokens = 0
 
     def _build_inputs(self, rows, sampling_rows):

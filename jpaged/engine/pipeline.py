@@ -14,10 +14,11 @@ in flight are discarded.
 import collections
 import dataclasses
 
-from jpaged.request import Samples, Sequence
-from jpaged.engine.executor import LaunchedLoop
-from jpaged.sampling import SamplingRow
+from jpaged.blocks.ledger import BlockLedger
+from jpaged.engine.executor import Executor, LaunchedLoop
 from jpaged.engine.scheduler import ScheduledRow
+from jpaged.request import Samples, Sequence
+from jpaged.sampling import SamplingRow
 
 
 @dataclasses.dataclass
@@ -32,17 +33,21 @@ class InFlight:
 
 
 class DecodePipeline:
-    """Decode loops in flight, oldest first, owned by the engine."""
+    """Decode loops in flight, oldest first. The executor runs them; the ledger replays each
+    one's allocations on the mirror once its results are back.
 
-    def __init__(self, engine):
-        self.engine = engine
+    depth: loops kept in flight while the host processes one (the engine's `async_depth`).
+    """
+
+    def __init__(self, executor: Executor, ledger: BlockLedger, *, depth: int,
+                 max_model_len: int):
+        self.executor = executor
+        self.ledger = ledger
+        self.depth = depth
+        self.max_model_len = max_model_len
         self.loops: collections.deque[InFlight] = collections.deque()
         self.ran_dry = False                 # the last fetched loop stopped for lack of blocks
-
-    @property
-    def depth(self) -> int:
-        """Loops kept in flight while the host processes one (the engine's `async_depth`)."""
-        return self.engine.config.async_depth
+        self.num_ran_dry = 0                 # loops that stopped early for lack of blocks
 
     @property
     def in_flight(self) -> InFlight | None:
@@ -53,13 +58,54 @@ class DecodePipeline:
     def newest(self) -> InFlight:
         return self.loops[-1]
 
-    def defer_frees(self, sequences: list[Sequence]):
-        """Frees dispatched now: the mirror applies them after replaying the newest loop."""
-        self.newest.frees.extend(sequences)
+    def free(self, sequences: list[Sequence]):
+        """Free sequences that loops in flight still hold: on the device after the newest of
+        them (the free is queued now), in the mirror after that loop's replay."""
+        if sequences:
+            self.ledger.defer_free(sequences)
+            self.newest.frees.extend(sequences)
 
-    def defer_releases(self, blocks: list[int]):
-        """Cached blocks released on the device now: likewise."""
-        self.newest.releases.extend(blocks)
+    def hold_back(self, sequences: list[Sequence]) -> list[Sequence]:
+        """Of finished sequences, free those that loops in flight still hold (see `free`) and
+        return the others, which can be freed at once."""
+        if not self.loops:
+            return sequences
+        held = [seq for seq in sequences if self.holds(seq)]
+        self.free(held)
+        return [seq for seq in sequences if not self.holds(seq)]
+
+    def loops_to_chain(self, running) -> int:
+        """How many loops to dispatch now behind the ones in flight, continuing the newest (the
+        caller has checked that async scheduling is on and nothing waits): up to `depth` left
+        in flight once the oldest is fetched; none if the pool ran dry (preemption needs the
+        scheduler) or the newest loop does not cover every running sequence (a request left
+        out by the token budget must not starve); and no more than the rows' budgets need. A
+        loop has a fixed trip count, so one chained after every row used up its max_tokens (or
+        max_model_len) would run the whole model for nothing."""
+        if not running or self.ran_dry or not self.covers(
+                seq for request in running for seq in request.live_sequences):
+            return 0
+        newest = self.newest
+        budget = max((min(row.request.params.max_tokens
+                          - (len(row.seq.token_ids) - row.seq.num_prompt_tokens),
+                          self.max_model_len - len(row.seq.token_ids))
+                      for row, keep in zip(newest.rows, newest.keep)
+                      if keep and not row.seq.is_finished), default=0)
+        steps = newest.launched.static["max_steps"]
+        return max(0, min(self.depth + 1 - len(self.loops),
+                          -(-(budget - self.steps_in_flight()) // steps)))
+
+    def make_room(self, num_loops: int) -> bool:
+        """Can the free stack serve the loops in flight and num_loops more, evicting cached
+        blocks behind the loops if needed? A loop allocates only from the free stack, so without
+        this a pool full of evictable prefix-cache blocks would stop every chained loop early."""
+        released = self.ledger.room_behind_loop(
+            self.live_sequences(),
+            self.tokens_behind() + num_loops * self.newest.launched.static["max_steps"])
+        if released is None:
+            return False
+        self.newest.releases.extend(released)
+        return True
 
     def steps_in_flight(self) -> int:
         """Iterations the loops in flight run (tokens each live row may still get from them)."""
@@ -69,45 +115,46 @@ class DecodePipeline:
         """Tokens per live row that loops in flight may append and the mirror has not seen."""
         return self.steps_in_flight() - sum(loop.first_planned for loop in self.loops)
 
-    def launch(self, rows: list[ScheduledRow], num_steps: int):
-        """Dispatch a loop of num_steps iterations (its static trip count) for freshly scheduled
-        decode rows (iteration 0 already planned)."""
-        engine = self.engine
-        launched = engine.runner.launch_decode(
+    def launch(self, rows: list[ScheduledRow], num_steps: int, block_ops: list):
+        """Apply the step's block operations, then dispatch a loop of num_steps iterations (its
+        static trip count) for freshly scheduled decode rows (iteration 0 already planned)."""
+        self.executor.apply(block_ops)
+        launched = self.executor.launch_decode(
             [(row.seq.slot, row.token_ids[0]) for row in rows],
             [SamplingRow(row.request.params, row.request.seed, row.seq.index, row.start + 1)
              for row in rows],
             [row.request.params.max_tokens - len(row.seq.output_token_ids) for row in rows],
-            [engine.stop_ids(row.request.params) for row in rows],
-            num_steps, num_steps, engine.config.max_model_len,
+            [row.request.stop_ids for row in rows],
+            num_steps, num_steps, self.max_model_len,
             max(row.request.params.logprobs or 0 for row in rows))
         self.loops.append(InFlight(rows, launched, [True] * len(rows), True, [True] * len(rows)))
 
     def advance(self, chain: int):
-        """Dispatch `chain` loops, each continuing the newest in flight, then fetch and replay the
+        """Apply the ledger's queued block operations (they land behind the loops in flight),
+        dispatch `chain` loops, each continuing the newest in flight, then fetch and replay the
         oldest loop.
 
         Returns ([(row, sample_index, samples)], sequences the device retired in the loop).
         """
-        engine = self.engine
+        self.executor.apply(self.ledger.take_ops())
         for _ in range(chain):
             newest = self.newest
             keep = [not row.seq.is_finished for row in newest.rows]
-            self.loops.append(InFlight(newest.rows, engine.runner.continue_decode(
+            self.loops.append(InFlight(newest.rows, self.executor.continue_decode(
                 newest.launched, keep, newest.launched.static["max_steps"]), None, False, keep))
         current = self.loops.popleft()
-        result = engine.runner.fetch_decode(current.launched, len(current.rows))
+        result = self.executor.fetch_decode(current.launched, len(current.rows))
         if int(result.missed_copies):
             raise RuntimeError("a decode loop met a shared partial block its scheduler did not "
                                "plan a copy for: the host mirror and the device diverged")
         done_at = result.done_at.tolist()
         num_done = int(result.num_done)
         self.ran_dry = bool(result.out_of_blocks)
-        engine.num_loops_out_of_blocks += self.ran_dry
-        engine.scheduler.replay_decode_loop(current.rows, current.active, done_at, num_done,
-                                            current.first_planned)
-        engine.scheduler.release_in_mirror(current.frees)
-        engine.scheduler.ledger.release_in_mirror(current.releases)
+        self.num_ran_dry += self.ran_dry
+        self.ledger.replay_decode_loop([row.seq.slot for row in current.rows], current.active,
+                                       done_at, num_done, current.first_planned)
+        self.ledger.free_after_loop(current.frees)
+        self.ledger.release_after_loop(current.releases)
         token_ids, logprobs = result.token_ids.T.tolist(), result.logprobs.T.tolist()
         top_ids, top_logprobs = result.top_ids.swapaxes(0, 1), result.top_logprobs.swapaxes(0, 1)
         results, device_freed = [], []

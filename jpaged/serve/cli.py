@@ -5,7 +5,6 @@ The engine runs on its own thread (`async_engine.AsyncEngine`); `app.build_app` 
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from jpaged.engine import LLMEngine

@@ -1,0 +1,87 @@
+"""Requests in: prompts tokenized once and checked against the engine's limits, sampling
+parameters checked, seeds drawn, stop ids resolved. Nothing here touches the device or a queue:
+a bad request raises ValueError naming the problem and leaves the engine as it was."""
+
+import itertools
+
+import numpy as np
+
+from jpaged.request import Request
+from jpaged.sampling import MAX_LOGPROBS, SamplingParams, request_seed
+
+
+class InputProcessor:
+    """Turns (prompt or prompt_token_ids, SamplingParams) into a `Request` ready to queue."""
+
+    def __init__(self, tokenizer, model_config, config):
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.config = config
+        self._rng = np.random.default_rng(config.seed)
+        self._arrivals = itertools.count()
+
+    def prompt_tokens(self, prompt=None, prompt_token_ids=None) -> list[int]:
+        """The prompt's token ids: exactly one of a str (tokenized here) and a list of ids."""
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass prompt_token_ids")
+            token_ids = self.tokenizer.encode(prompt).ids
+        else:
+            token_ids = [int(t) for t in prompt_token_ids]
+        if not token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside [0, {self.vocab_size}): "
+                             f"{bad[:5]}")
+        return token_ids
+
+    def check_fits(self, token_ids: list[int], params: SamplingParams):
+        """Could this request ever run on this engine (length, n, KV blocks, logprobs)?"""
+        config = self.config
+        if len(token_ids) >= config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
+                             f"{config.max_model_len} (the prompt plus at least one generated "
+                             "token must fit)")
+        if params.n > config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={config.max_num_seqs}")
+        total = min(len(token_ids) + params.max_tokens, config.max_model_len)
+        blocks = params.n * -(-total // config.block_size)
+        usable = config.num_kv_blocks - 1
+        if blocks > usable:
+            raise ValueError(f"request needs up to {blocks} KV blocks ({params.n} x {total} "
+                             f"tokens) but the pool has only {usable}: it could never run")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={params.logprobs} exceeds {MAX_LOGPROBS}")
+
+    def stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """Token ids that end a sequence on the device: stop_token_ids, and EOS unless ignored."""
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids += [t for t in self.eos_token_ids if t not in ids]
+        return tuple(ids)
+
+    def check(self, prompt=None, params: SamplingParams | None = None, *,
+              prompt_token_ids=None) -> tuple[list[int], SamplingParams]:
+        """(token ids, params) of a request that can run here; ValueError otherwise. A str prompt
+        is tokenized here (once)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        token_ids = self.prompt_tokens(prompt, prompt_token_ids)
+        self.check_fits(token_ids, params)
+        return token_ids, params
+
+    def build(self, request_id: str, prompt: str | None, token_ids: list[int],
+              params: SamplingParams, priority: int = 0) -> Request:
+        """The Request of a checked prompt: its seed drawn and its arrival counted now."""
+        stop_ids = self.stop_ids(params)
+        return Request(request_id=request_id, prompt=prompt, prompt_token_ids=token_ids,
+                       params=params, seed=request_seed(params, self._rng),
+                       arrival_index=next(self._arrivals), priority=priority,
+                       stop_ids=stop_ids, stop_id_set=frozenset(stop_ids))

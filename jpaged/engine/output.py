@@ -1,0 +1,130 @@
+"""Tokens out: sampled tokens appended to their sequences up to the first stop, detokenized
+(stop strings included), the n - 1 siblings of a request created at its prompt's end, and each
+request's `RequestOutput` built as its params ask (CUMULATIVE, DELTA or FINAL_ONLY).
+
+The processor touches no block state: it returns what the step finished and which siblings were
+born (`StepOutcome`), and the engine applies the block side (forks, frees) through the ledger.
+"""
+
+import dataclasses
+
+from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.request import CompletionOutput, Request, RequestOutput, Samples, Sequence
+from jpaged.sampling import RequestOutputKind
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """What processing one step's samples decided."""
+    outputs: list[RequestOutput]                      # one per request that made progress
+    forks: list[tuple[Request, list[Sequence]]]       # siblings born unfinished, per request
+    finished: list[Sequence]                          # sequences that ended in this step
+    finished_requests: list[Request]                  # requests whose every sequence ended
+
+
+class OutputProcessor:
+    """Appends samples, stops sequences, detokenizes, and builds outputs."""
+
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.num_generated_tokens = 0
+
+    def add(self, request: Request):
+        """A request joins: its first sequence gets its detokenizer."""
+        request.sequences[0].detokenizer = self._detokenizer(request)
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                      request.params.stop)
+
+    def process(self, results) -> StepOutcome:
+        """results: [(ScheduledRow, sample index, Samples)] of one step or decode loop."""
+        touched: dict[int, Request] = {}
+        children: dict[int, list[Sequence]] = {}
+        finished: list[Sequence] = []
+        for row, sample_index, samples in results:
+            request, seq = row.request, row.seq
+            if sample_index != seq.index:  # the n-1 siblings come to life at the prompt's end
+                seq = self._new_child(request, row.seq, sample_index)
+                children.setdefault(id(request), []).append(seq)
+            self._append_samples(request, seq, samples)
+            touched[id(request)] = request
+            if seq.is_finished:
+                finished.append(seq)
+        forks = [(touched[key], [seq for seq in new if not seq.is_finished])
+                 for key, new in children.items()]
+        outputs, done = [], []
+        for request in touched.values():
+            if request.is_finished:
+                done.append(request)
+            if request.is_finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self.output(request))
+        return StepOutcome(outputs, [(r, live) for r, live in forks if live], finished, done)
+
+    def _new_child(self, request: Request, parent: Sequence, sample_index: int) -> Sequence:
+        child = Sequence(sample_index, list(parent.token_ids[:parent.num_computed]),
+                         parent.num_prompt_tokens)
+        child.detokenizer = self._detokenizer(request)
+        request.sequences.append(child)
+        request.sequences.sort(key=lambda s: s.index)
+        return child
+
+    def _append_samples(self, request: Request, seq: Sequence, samples: Samples):
+        """Append a step's or a loop's tokens to seq, up to the first that ends it: a stop
+        string (the detokenizer's match), a stop id or EOS, max_tokens or max_model_len."""
+        params = request.params
+        tokens = samples.token_ids
+        room = max(1, min(params.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens),
+                          self.max_model_len - len(seq.token_ids)))
+        stop_ids = request.stop_id_set
+        end = next((i + 1 for i, token in enumerate(tokens[:room]) if token in stop_ids),
+                   min(room, len(tokens)))
+        consumed = seq.detokenizer.num_tokens
+        delta, hit_stop_string = seq.detokenizer.append(tokens[:end])
+        is_delta = params.output_kind == RequestOutputKind.DELTA
+        if is_delta:
+            seq.unsent_text += delta
+        if hit_stop_string:
+            end = seq.detokenizer.num_tokens - consumed
+        taken = tokens[:end]
+        seq.token_ids.extend(taken)
+        seq.cumulative_logprob += sum(samples.logprobs[:end])
+        if params.logprobs is not None:
+            for i, token in enumerate(taken):
+                entry = dict(zip(samples.top_ids[i, :params.logprobs].tolist(),
+                                 samples.top_logprobs[i, :params.logprobs].tolist()))
+                entry[token] = samples.logprobs[i]
+                seq.logprobs.append(entry)
+        self.num_generated_tokens += end
+        if hit_stop_string or (taken and taken[-1] in stop_ids):
+            seq.finish_reason = "stop"
+        elif end == room:
+            seq.finish_reason = "length"
+        if seq.is_finished and not hit_stop_string:
+            rest = seq.detokenizer.flush()
+            if is_delta:
+                seq.unsent_text += rest
+
+    @staticmethod
+    def output(request: Request) -> RequestOutput:
+        """The request's output now, as its params' output_kind asks: everything so far, or
+        (DELTA) the tokens, logprobs and text new since its previous output."""
+        want_logprobs = request.params.logprobs is not None
+        is_delta = request.params.output_kind == RequestOutputKind.DELTA
+        completions = []
+        for seq in request.sequences:
+            if is_delta:
+                start, text = seq.num_prompt_tokens + seq.num_sent, seq.unsent_text
+                logprobs = seq.logprobs[seq.num_sent:] if want_logprobs else None
+                seq.num_sent, seq.unsent_text = len(seq.token_ids) - seq.num_prompt_tokens, ""
+            else:
+                start, text = seq.num_prompt_tokens, seq.detokenizer.text
+                logprobs = list(seq.logprobs) if want_logprobs else None
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.token_ids[start:],
+                cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+                logprobs=logprobs, finish_reason=seq.finish_reason))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, request.is_finished, request.num_preemptions,
+                             request.num_recomputed_tokens, request.num_cached_tokens)
