@@ -357,8 +357,6 @@ class LLMEngine:
                 seq = self._new_child(request, row.seq, sample_index)
                 children.setdefault(request.request_id, []).append(seq)
             self._append_samples(request, seq, samples)
-            if request.first_token_time is None:
-                request.first_token_time = now
             touched[request.request_id] = request
             if seq.is_finished:
                 finished.append(seq)
