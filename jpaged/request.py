@@ -2,7 +2,6 @@
 
 import dataclasses
 import enum
-import time
 from typing import NamedTuple
 
 import numpy as np
@@ -61,15 +60,12 @@ class Request:
     priority: int = 0
     stop_ids: tuple = ()                   # ids that end a sequence: stop ids, EOS unless ignored
     stop_id_set: frozenset = frozenset()   # the same, for membership tests
-    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
     reserved_slots: list[int] = dataclasses.field(default_factory=list)  # for the n-1 forks
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
-    num_cached_tokens: int = 0
     num_cached_tokens: int = 0         # prefix-cache hit tokens at its latest admission
-    first_token_time: float | None = None
     swap: "SwapRecord | None" = None   # where its blocks are while SWAPPED
 
     def __post_init__(self):

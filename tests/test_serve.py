@@ -3,6 +3,7 @@ openai client, greedy parity with LLM.generate, 64 concurrent streams with disco
 freeing blocks) and an in-process app (bad input, metrics, streams, engine errors, flags)."""
 
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -303,6 +304,78 @@ def test_stream_equals_full_reply_with_stop_strings_and_seed(app_client):
     assert "\n\n" not in full["choices"][0]["text"]
 
 
+def _stream_chunks(client, route: str, body: dict) -> list[dict]:
+    """The chunks of a streamed reply to body, checked to end with [DONE]."""
+    with client.stream("POST", f"/v1/{route}", json={**body, "stream": True}) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    assert reply.status_code == 200 and lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def _streamed_lengths(chunks: list[dict]) -> list[int]:
+    """Characters streamed after each chunk (one choice)."""
+    return list(itertools.accumulate(len(c["choices"][0]["text"]) for c in chunks))
+
+
+def _stop_with_an_earlier_prefix(text: str, chunk_ends: list[int]) -> tuple[str, int, int]:
+    """(stop, prefix_at, stop_at): a 4-character stop string that first occurs in text at stop_at
+    and whose first two characters occur earlier, at prefix_at, not followed by the rest, where
+    a stream without stop strings ended a chunk."""
+    for stop_at in range(len(text) - 4, 0, -1):
+        stop = text[stop_at:stop_at + 4]
+        prefix_at = text.find(stop[:2])
+        if (text.find(stop) == stop_at and prefix_at + 4 <= stop_at
+                and prefix_at + 2 in chunk_ends):
+            return stop, prefix_at, stop_at
+    raise AssertionError(f"no stop string with an earlier prefix in {text!r}")
+
+
+def test_stream_holds_back_a_stop_string_prefix_then_releases_it(app_client):
+    body = {"prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    free = _stream_chunks(app_client, "completions", body)
+    text = "".join(c["choices"][0]["text"] for c in free)
+    stop, prefix_at, stop_at = _stop_with_an_earlier_prefix(text, _streamed_lengths(free))
+    full = app_client.post("/v1/completions", json={**body, "stop": stop}).json()
+    chunks = _stream_chunks(app_client, "completions", {**body, "stop": stop})
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    assert streamed == full["choices"][0]["text"] == text[:stop_at]
+    assert (chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+            == "stop")
+    ends = _streamed_lengths(chunks)
+    # Without stop strings a chunk ended right after the prefix; with one it waits until the
+    # next character shows it is not the stop string, then comes out in full.
+    assert prefix_at + 1 not in ends and prefix_at + 2 not in ends
+    assert any(prefix_at + 2 < end < stop_at for end in ends)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_stream_with_n_and_logprobs_equals_full_reply(app_client, route):
+    is_chat = route == "chat/completions"
+    body = ({"messages": [{"role": "user", "content": "def add(a, b):"}], "logprobs": True,
+             "top_logprobs": 2} if is_chat else {"prompt": PROMPTS[0], "logprobs": 2})
+    body.update(n=2, max_tokens=16, temperature=1.0, seed=5, stop=["\n\n"])
+    full = app_client.post(f"/v1/{route}", json=body).json()
+    chunks = _stream_chunks(app_client, route, {**body, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    texts = []
+    for choice in full["choices"]:
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == choice["index"]]
+        finishes = [c["finish_reason"] for c in mine]
+        assert finishes == [None] * (len(mine) - 1) + [choice["finish_reason"]]
+        streamed_logprobs = [c["logprobs"] for c in mine if c["logprobs"] is not None]
+        if is_chat:
+            texts.append(choice["message"]["content"])
+            assert "".join(c["delta"].get("content", "") for c in mine) == texts[-1]
+            assert ([item for lp in streamed_logprobs for item in lp["content"]]
+                    == choice["logprobs"]["content"])
+        else:
+            texts.append(choice["text"])
+            assert "".join(c["text"] for c in mine) == texts[-1]
+            assert {key: [v for lp in streamed_logprobs for v in lp[key]]
+                    for key in choice["logprobs"]} == choice["logprobs"]
+    assert len(set(texts)) == 2 and all(texts)
+
+
 def test_several_prompts_and_n_give_prompt_major_choices(app_client):
     reply = app_client.post("/v1/completions", json={
         "prompt": ["a = ", "b = "], "n": 2, "max_tokens": 3, "temperature": 1, "seed": 1}).json()
@@ -372,6 +445,21 @@ def test_latency_histograms_count_first_and_later_tokens(app_client):
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
     assert delta("vllm:generation_tokens_total") == 6
     assert delta("vllm:request_success_total") == 1
+
+
+def test_latency_histograms_count_streamed_tokens(app_client):
+    before = _metrics(app_client.get("/metrics").text)
+    chunks = _stream_chunks(app_client, "completions", {
+        "prompt": "x = ", "max_tokens": 6, "ignore_eos": True,
+        "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    after = _metrics(app_client.get("/metrics").text)
+
+    def delta(name):
+        return after[name] - before[name]
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:time_per_output_token_seconds_count") == 5
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
 
 
 # ---- flags and templates (no engine) ------------------------------------------------------------

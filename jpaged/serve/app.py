@@ -135,7 +135,8 @@ async def _stream(group: RequestGroup, builder: api.ReplyBuilder, parsed: api.Pa
         yield api.sse(api.APIError(str(err), status=500, type="internal_server_error").body())
     else:
         if parsed.include_usage:
-            yield api.sse(builder.usage_chunk(group.outputs))
+            yield api.sse(builder.usage_chunk(group.num_prompt_tokens,
+                                              group.num_output_tokens))
     yield api.sse("[DONE]")
 
 

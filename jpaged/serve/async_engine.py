@@ -10,6 +10,10 @@ Per-request events reach the sink as:
   ("error", request_id, ValueError)    rejected by add_request (nothing was queued), or failed
                                        by an engine error (its blocks were freed)
   ("output", request_id, RequestOutput) progress; the last one has finished=True
+
+The outputs are of the kind the request's params ask for: the server streams DELTA outputs and
+collects CUMULATIVE ones for a full reply; the token counts here (latency histograms, usage) read
+either.
 """
 
 import asyncio
@@ -22,6 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.sampling import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +52,34 @@ class OutputSink:
         return await self._queue.get()
 
 
+class _OutputTokenCounts:
+    """Output tokens of each sequence of one request so far, read from its outputs in order:
+    a DELTA output adds its tokens, any other kind holds them all."""
+
+    def __init__(self, params):
+        self._is_delta = params.output_kind == RequestOutputKind.DELTA
+        self._counts: dict[int, int] = {}  # sample index -> output tokens
+
+    def update(self, output):
+        for completion in output.outputs:
+            before = self._counts.get(completion.index, 0) if self._is_delta else 0
+            self._counts[completion.index] = before + len(completion.token_ids)
+
+    @property
+    def longest(self) -> int:
+        return max(self._counts.values(), default=0)
+
+    @property
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+
 class RequestGroup:
     """The engine requests of one API call (one per prompt), read from one sink.
 
     Create it inside the caller's event loop; it queues its requests at once. Call
     `abort_unfinished` when the caller goes away (it is a no-op once everything finished).
+    `num_prompt_tokens` and `num_output_tokens` (so far) are the call's usage.
     """
 
     def __init__(self, async_engine: "AsyncEngine", request_ids: list[str], params,
@@ -60,7 +88,9 @@ class RequestGroup:
         self._sink = OutputSink()
         self.request_ids = list(request_ids)
         self._index = {request_id: i for i, request_id in enumerate(self.request_ids)}
-        self.outputs: list = [None] * len(self.request_ids)  # latest RequestOutput per prompt
+        self._latest: list = [None] * len(self.request_ids)  # latest RequestOutput per prompt
+        self._counts = [_OutputTokenCounts(params) for _ in self.request_ids]
+        self.num_prompt_tokens = sum(len(prompt) for prompt in prompts)
         self._unfinished = set(self.request_ids)
         self._early: list[tuple] = []  # outputs that came before every request was accepted
         for request_id, prompt in zip(self.request_ids, prompts):
@@ -92,15 +122,22 @@ class RequestGroup:
                 self.abort_unfinished()
                 raise payload if isinstance(payload, EngineError) else EngineError(str(payload))
             index = self._index[request_id]
-            self.outputs[index] = payload
+            self._latest[index] = payload
+            self._counts[index].update(payload)
             if payload.finished:
                 self._unfinished.discard(request_id)
             yield index, payload
 
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(counts.total for counts in self._counts)
+
     async def final_outputs(self) -> list:
+        """Every prompt's last output, in prompt order: the whole result if the outputs are
+        CUMULATIVE (or FINAL_ONLY), only the last delta if DELTA."""
         async for _ in self.events():
             pass
-        return self.outputs
+        return self._latest
 
     def abort_unfinished(self):
         for request_id in sorted(self._unfinished):
@@ -110,11 +147,11 @@ class RequestGroup:
 
 class _Tracked:
     """Timing of one in-flight request, for the TTFT / TPOT / end-to-end histograms."""
-    __slots__ = ("sink", "arrival", "last_output", "num_tokens")
+    __slots__ = ("sink", "arrival", "last_output", "counts")
 
-    def __init__(self, sink: OutputSink, arrival: float):
+    def __init__(self, sink: OutputSink, arrival: float, params):
         self.sink, self.arrival, self.last_output = sink, arrival, None
-        self.num_tokens = 0  # output tokens of the longest sequence at the last output
+        self.counts = _OutputTokenCounts(params)
 
 
 class AsyncEngine:
@@ -192,7 +229,7 @@ class AsyncEngine:
             self._abort_quietly(request_id)
             sink.put(("error", request_id, EngineError(f"engine error: {err}")))
             return
-        self._tracked[request_id] = _Tracked(sink, arrival)
+        self._tracked[request_id] = _Tracked(sink, arrival, params)
         self._num_prompt_tokens += len(prompt_token_ids)
         sink.put(("accepted", request_id, None))
 
@@ -263,14 +300,16 @@ class ServingMetrics:
 
     def observe_progress(self, tracked: _Tracked, output, now: float):
         name = self._async_engine.model_name
-        num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        before = tracked.counts.longest  # output tokens of the longest sequence so far
+        tracked.counts.update(output)
+        num_new = tracked.counts.longest - before
         if tracked.last_output is None:
             self.ttft.labels(name).observe(now - tracked.arrival)
-        elif num_tokens > tracked.num_tokens:  # a multi-step decode may bring several tokens
-            per_token = (now - tracked.last_output) / (num_tokens - tracked.num_tokens)
-            for _ in range(num_tokens - tracked.num_tokens):
+        elif num_new > 0:  # a multi-step decode may bring several tokens
+            per_token = (now - tracked.last_output) / num_new
+            for _ in range(num_new):
                 self.tpot.labels(name).observe(per_token)
-        tracked.last_output, tracked.num_tokens = now, num_tokens
+        tracked.last_output = now
         if output.finished:
             self.e2e.labels(name).observe(now - tracked.arrival)
 

@@ -1,6 +1,6 @@
 """The OpenAI wire format: request validation, chat templates, and response / stream chunks.
 
-Pure functions and small classes with no web framework in them: `serve.py` calls them.
+Pure functions and small classes with no web framework in them: `app.py` calls them.
 
 Requests are checked field by field; anything wrong raises `APIError` naming the parameter, which
 the server turns into a 4xx with OpenAI's `{"error": {"message", "type", "param", "code"}}` body.
@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from jpaged.request import RequestOutput
-from jpaged.sampling import MAX_LOGPROBS, SamplingParams
+from jpaged.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
                     "stop_token_ids", "ignore_eos", "logprobs")
@@ -109,7 +109,11 @@ def check_model(body: dict, model_name: str):
                        param="model", status=404, code="model_not_found")
 
 
-def _sampling_params(body: dict, *, max_tokens, logprobs) -> SamplingParams:
+def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool) -> SamplingParams:
+    """A stream is built from the engine's DELTA outputs (text past any possible stop-string
+    prefix, tokens and logprobs new since the last output). A full reply asks for CUMULATIVE
+    outputs, not FINAL_ONLY: the latency histograms (TTFT, TPOT) are observed on every output,
+    and FINAL_ONLY would give them one, at the end."""
     values = dict(n=_field(body, "n", (int,), 1),
                   temperature=_field(body, "temperature", (float,), 1.0),
                   top_p=_field(body, "top_p", (float,), 1.0),
@@ -119,7 +123,8 @@ def _sampling_params(body: dict, *, max_tokens, logprobs) -> SamplingParams:
                   stop=_field(body, "stop", (str, list)),
                   stop_token_ids=_field(body, "stop_token_ids", (list,)),
                   ignore_eos=_field(body, "ignore_eos", (bool,), False),
-                  max_tokens=max_tokens, logprobs=logprobs)
+                  max_tokens=max_tokens, logprobs=logprobs,
+                  output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE)
     try:
         return SamplingParams(**values)
     except ValueError as err:  # SamplingParams' messages start with the parameter's name
@@ -170,7 +175,7 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
                                model.max_model_len, "prompt")
     stream = _field(body, "stream", (bool,), False)
     return ParsedRequest(False, prompts, _sampling_params(body, max_tokens=max_tokens,
-                                                          logprobs=logprobs),
+                                                          logprobs=logprobs, stream=stream),
                          stream, _stream_options(body, stream), logprobs)
 
 
@@ -232,7 +237,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     max_tokens = _check_length(prompts, max_tokens, model.max_model_len, "messages")
     stream = _field(body, "stream", (bool,), False)
     return ParsedRequest(True, prompts, _sampling_params(body, max_tokens=max_tokens,
-                                                         logprobs=logprobs),
+                                                         logprobs=logprobs, stream=stream),
                          stream, _stream_options(body, stream), logprobs)
 
 
@@ -323,26 +328,22 @@ def new_id(is_chat: bool) -> str:
     return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
 
 
 class ReplyBuilder:
-    """Builds the full reply, or the stream's chunks, of one parsed request.
-
-    Outputs are cumulative (RequestOutput text and token lists grow); the builder remembers what
-    each choice has streamed. Choice index = prompt index * n + sample index, as OpenAI does.
+    """Builds the full reply (from CUMULATIVE outputs), or the stream's chunks (from DELTA
+    outputs), of one parsed request. Choice index = prompt index * n + sample index, as OpenAI
+    does.
     """
 
     def __init__(self, parsed: ParsedRequest, model: ModelInfo):
         self.parsed, self.model = parsed, model
         self.id, self.created = new_id(parsed.is_chat), int(time.time())
         self._object = "chat.completion" if parsed.is_chat else "text_completion"
-        self._sent_text: dict[int, int] = {}    # choice index -> chars streamed
-        self._sent_tokens: dict[int, int] = {}  # choice index -> tokens streamed
+        self._text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         self._finished: set[int] = set()
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
@@ -367,7 +368,10 @@ class ReplyBuilder:
                                     "logprobs": logprobs,
                                     "finish_reason": completion.finish_reason})
         choices.sort(key=lambda choice: choice["index"])
-        return {**self._envelope(choices, chunk=False), "usage": usage(outputs)}
+        num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        num_completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+        return {**self._envelope(choices, chunk=False),
+                "usage": usage(num_prompt_tokens, num_completion_tokens)}
 
     def first_chunks(self) -> list[dict]:
         """Chat streams open with the assistant role for every choice."""
@@ -379,27 +383,25 @@ class ReplyBuilder:
                 for i in range(count)]
 
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict]:
-        """Stream chunks for what `output` adds since the last call for this prompt."""
+        """One chunk per choice that a DELTA output moves on: its new text (the engine holds back
+        what may still become a stop string), its new tokens' logprobs, its finish_reason.
+
+        A delta with nothing the client sees (a token whose text is held back, and no logprobs
+        asked) makes no chunk. A finished sequence keeps appearing in later outputs, empty."""
         chunks = []
         for completion in output.outputs:
             index = prompt_index * self.parsed.params.n + completion.index
-            if index in self._finished:
-                continue
             is_done = completion.finish_reason is not None
-            sent = self._sent_text.get(index, 0)
-            end = len(completion.text) if is_done else max(sent, len(completion.text) - _held_back(
-                completion.text, self.parsed.params.stop))
-            first_token = self._sent_tokens.get(index, 0)
-            if end == sent and not is_done:
+            has_logprobs = self.parsed.num_top_logprobs is not None and bool(completion.token_ids)
+            if index in self._finished or not (completion.text or has_logprobs or is_done):
                 continue
-            delta_text = completion.text[sent:end]
-            self._sent_text[index] = end
-            self._sent_tokens[index] = len(completion.token_ids)
-            logprobs = self._logprobs(completion.token_ids[first_token:],
-                                      (completion.logprobs or [])[first_token:], sent)
+            offset = self._text_offsets.get(index, 0)
+            logprobs = self._logprobs(completion.token_ids, completion.logprobs, offset)
+            if logprobs is not None and "tokens" in logprobs:  # completions count text offsets
+                self._text_offsets[index] = offset + sum(map(len, logprobs["tokens"]))
             if is_done:
                 self._finished.add(index)
-            chunks.append(self._envelope([self._choice_delta(index, delta_text, logprobs,
+            chunks.append(self._envelope([self._choice_delta(index, completion.text, logprobs,
                                                              completion.finish_reason)],
                                          chunk=True))
         return chunks
@@ -411,11 +413,13 @@ class ReplyBuilder:
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
-        return {**self._envelope([], chunk=True), "usage": usage(outputs)}
+    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+        return {**self._envelope([], chunk=True),
+                "usage": usage(num_prompt_tokens, num_completion_tokens)}
 
     # ---- logprobs ----------------------------------------------------------------------------
     def _logprobs(self, token_ids, entries, text_offset: int):
+        """text_offset: where the first token's text starts (the token texts before it, summed)."""
         top = self.parsed.num_top_logprobs
         if top is None:
             return None
@@ -443,18 +447,6 @@ class ReplyBuilder:
         if self.model.tokenizer is None:
             return f"token_id:{token_id}"
         return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _held_back(text: str, stop: tuple[str, ...]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string: it may
-    still turn into a stop string, which is cut from the output, so it is not streamed yet."""
-    longest = 0
-    for stop_string in stop:
-        for length in range(min(len(stop_string) - 1, len(text)), longest, -1):
-            if text.endswith(stop_string[:length]):
-                longest = length
-                break
-    return longest
 
 
 def sse(data) -> str:
