@@ -136,7 +136,7 @@ def overload_run(model, mode, num_requests, args) -> dict:
                    wall - stats["compile_seconds"], 1e-9),
                compile=stats["compile_seconds"], preemptions=stats["num_preemptions"],
                swapped_blocks=stats["num_swapped_out_blocks"],
-               recomputed=stats["num_recomputed_tokens"], rates=engine.swap_rates)
+               recomputed=stats["num_recomputed_tokens"], rates=engine.executor.swap_rates)
     del engine
     gc.collect()
     return row
@@ -178,7 +178,7 @@ def main(argv=None):
         max_num_seqs=8, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode="auto", swap_space=args.swap_space, warmup=False,
         enable_prefix_caching=False)
-    per_block_bytes = engine.bytes_per_block
+    per_block_bytes = engine.executor.bytes_per_block
     rng = np.random.default_rng(0)
     transfer_rows = []
     for count in block_counts:
@@ -194,7 +194,7 @@ def main(argv=None):
         cross_rows.append((length, prefill_seconds(engine, length), t_out + t_in))
         print(f"L={length}: recompute {cross_rows[-1][1] * 1e3:.2f} ms, swap "
               f"{cross_rows[-1][2] * 1e3:.2f} ms", flush=True)
-    rates = engine.swap_rates
+    rates = engine.executor.swap_rates
     del engine
     gc.collect()
     overload_rows = []

@@ -236,7 +236,7 @@ def test_strict_compilation_refuses_a_new_shape(hf_checkpoints):
     eng = LLMEngine.from_pretrained(hf_checkpoints["llama_gqa"], num_kv_blocks=32,
                                     max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                                     warmup=False, preemption_mode="recompute")
-    eng.runner.strict_compilation = True
+    eng.executor.strict_compilation = True
     eng.add_request("r", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="strict"):
         eng.step()
@@ -301,8 +301,8 @@ def test_no_loop_is_chained_past_every_rows_budget(hf_checkpoints, monkeypatch):
     eng = engine(hf_checkpoints["llama_gqa"], 4, async_scheduling=True, async_depth=2)
     calls = collections.Counter()
     for name in ("launch_decode", "continue_decode"):
-        real = getattr(eng.runner, name)
-        monkeypatch.setattr(eng.runner, name, lambda *a, _real=real, _name=name, **kw: (
+        real = getattr(eng.executor, name)
+        monkeypatch.setattr(eng.executor, name, lambda *a, _real=real, _name=name, **kw: (
             calls.update([_name]), _real(*a, **kw))[1])
     for index, max_tokens in enumerate([13, 9, 13, 5]):
         eng.add_request(str(index), prompt_token_ids=[5 + index, 6, 7],
@@ -379,7 +379,7 @@ def test_decode_loop_has_no_data_dependent_control_flow(hf_checkpoints):
     decided on the host)."""
     from jpaged.engine.device_step import decode_loop_impl
     from jpaged.sampling import SamplingRow
-    runner = engine(hf_checkpoints["llama_gqa"], 4).runner
+    runner = engine(hf_checkpoints["llama_gqa"], 4).executor
     counts = {}
     for mode, params in [("greedy", SamplingParams(temperature=0.0, top_k=5)),
                          ("random", SamplingParams(temperature=1.0, min_p=0.1)),

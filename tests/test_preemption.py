@@ -65,7 +65,7 @@ def test_overloaded_pool_gives_unpressured_outputs(hf_checkpoints, expected, mod
               max_num_seqs=32, max_num_batched_tokens=256, preemption_mode=mode,
               enable_prefix_caching=caching, swap_space=0.01)
     if mode == "auto":  # make the start-up rates put the crossover inside this workload
-        llm.engine.swap_rates = {"swap_fixed_seconds": 1.0, "swap_seconds_per_block": 0.0,
+        llm.engine.executor.swap_rates = {"swap_fixed_seconds": 1.0, "swap_seconds_per_block": 0.0,
                                  "prefill_seconds_per_token": 1.0 / 40}
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -77,7 +77,7 @@ def test_overloaded_pool_gives_unpressured_outputs(hf_checkpoints, expected, mod
     assert (swapped, recomputed) in {"swap": [(True, False)], "recompute": [(False, True)],
                                      "auto": [(True, True)]}[mode]
     assert stats["swap_bytes_out"] == stats["swap_bytes_in"] == (
-        stats["num_swapped_out_blocks"] * llm.engine.bytes_per_block)
+        stats["num_swapped_out_blocks"] * llm.engine.executor.bytes_per_block)
     if caching:
         assert stats["prefix_cache_hit_rate"] > 0
         assert stats["num_cached_blocks"] > 0
@@ -119,9 +119,9 @@ def test_swapped_mid_prefill_resumes_its_chunks(hf_checkpoints):
 def test_auto_policy_compares_transfer_and_prefill_costs(hf_checkpoints):
     engine = LLMEngine.from_pretrained(hf_checkpoints["llama_gqa"], num_kv_blocks=32,
                                        max_model_len=128, max_num_seqs=4)
-    rates = engine.swap_rates   # measured at start-up
+    rates = engine.executor.swap_rates   # measured at start-up
     assert rates["swap_seconds_per_block"] > 0 and rates["prefill_seconds_per_token"] > 0
-    engine.swap_rates = {"swap_fixed_seconds": 1e-3, "swap_seconds_per_block": 1e-4,
+    engine.executor.swap_rates = {"swap_fixed_seconds": 1e-3, "swap_seconds_per_block": 1e-4,
                          "prefill_seconds_per_token": 1e-4}
     assert engine.scheduler.swap_policy(8, 128)       # 1.8 ms to swap vs 12.8 ms to recompute
     assert not engine.scheduler.swap_policy(1, 5)     # 1.1 ms vs 0.5 ms
@@ -188,7 +188,7 @@ def test_random_arrivals_aborts_and_completions_leak_nothing(hf_checkpoints):
         hf_checkpoints["llama_gqa"], num_kv_blocks=12, max_model_len=96, max_num_seqs=6,
         max_num_batched_tokens=64, preemption_mode="auto", swap_space=6 * 8192 / 2**30)
     assert engine.ledger.num_swap_blocks == 6   # full at times: recompute fallback
-    engine.swap_rates = {"swap_fixed_seconds": 1.0, "swap_seconds_per_block": 0.0,
+    engine.executor.swap_rates = {"swap_fixed_seconds": 1.0, "swap_seconds_per_block": 0.0,
                          "prefill_seconds_per_token": 1.0 / 24}   # both modes get used
 
     @settings(max_examples=12, deadline=None, derandomize=True,
