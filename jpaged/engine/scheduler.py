@@ -15,9 +15,8 @@ import dataclasses
 from jpaged.blocks.ledger import BlockLedger
 from jpaged.blocks.mirror import HostBlockMirror
 from jpaged.blocks.prefix_cache import PrefixCache
+from jpaged.options import PREEMPTION_MODES
 from jpaged.request import Request, Sequence, SequenceStatus
-
-PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclasses.dataclass
