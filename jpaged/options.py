@@ -1,13 +1,15 @@
 """Engine options: the one table of every setting `LLM(...)`, `LLMEngine.from_pretrained(...)` and
 `python -m jpaged.serve` accept (vLLM's names), their checks, and the resolved `EngineConfig`.
 
-The server's flags (`jpaged.serve.cli`) and the defaults of `EngineConfig` are derived from
-`OPTIONS`. A low layer: it imports no engine, scheduler, model or kernel code.
+Everything else is derived from `OPTIONS`: the server's flags (`jpaged.serve.cli`), the options
+part of `LLM`'s docstring, README's options table (`markdown_table`, kept equal by a test) and the
+defaults of `EngineConfig`. A low layer: it imports no engine, scheduler, model or kernel code.
 """
 
 import dataclasses
 import math
 import os
+import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -257,3 +259,41 @@ class EngineConfig:
             raise OptionError("preemption_mode", "swapping moves blocks of a single-device "
                               "cache: with tensor_parallel_size > 1 preemption_mode must be "
                               "'recompute' (the builder decides 'auto' so)")
+
+
+# ---- documentation derived from the table -------------------------------------------------------
+def _type_text(option: Option, *, union: str) -> str:
+    if option.choices is not None:
+        return "{" + ", ".join(option.choices) + "}"
+    name = option.type.__name__
+    return f"{name}{union}None" if option.default is None else name
+
+
+def _default_text(option: Option) -> str:
+    return f'"{option.default}"' if isinstance(option.default, str) else repr(option.default)
+
+
+def markdown_table() -> str:
+    """README's options table: every option, its flag, type, default and meaning."""
+    rows = ["| option | flag | type | default | meaning |", "|---|---|---|---|---|"]
+    for option in OPTIONS:
+        keyword = f"`{option.name}`" if option.is_keyword else "(server only)"
+        flag = "(Python only)"
+        if option.is_flag:
+            flag = f"`--[no-]{option.flag[2:]}`" if option.type is bool else f"`{option.flag}`"
+        meaning = option.help.replace("|", r"\|")   # a bare | would end the cell
+        rows.append(f"| {keyword} | {flag} | {_type_text(option, union=' or ')} | "
+                    f"`{_default_text(option)}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def options_doc(indent: str = "    ") -> str:
+    """The keyword options as a docstring section (LLM's): name, type, default, then the help."""
+    lines = []
+    for option in OPTIONS:
+        if option.is_keyword:
+            lines.append(f"{indent}{option.name}: {_type_text(option, union=' | ')} = "
+                         f"{_default_text(option)}")
+            lines += textwrap.wrap(option.help, width=92, initial_indent=indent * 2,
+                                   subsequent_indent=indent * 2)
+    return "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
 """ModelConfig reads Hugging Face config.json (old and transformers 5 style); errors name fields.
-The engine options table (jpaged.options) checks every option by name."""
+The engine options table (jpaged.options) checks every option by name and documents them all."""
 
 import ast
 import dataclasses
@@ -241,6 +241,22 @@ def test_options_are_checked_before_a_model_loads(tmp_path):
 
     with pytest.raises(OptionError, match="dtype.*when a model is loaded"):
         build_engine_config(Model(), dtype="bfloat16")
+
+
+def test_readme_options_table_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    begin = readme.index("<!-- options table:")
+    begin = readme.index("\n", begin) + 1
+    end = readme.index("<!-- end of options table -->")
+    assert readme[begin:end] == options.markdown_table(), \
+        "README's options table drifted: paste jpaged.options.markdown_table() between the markers"
+
+
+def test_llm_docstring_lists_every_keyword_option():
+    from jpaged import LLM
+
+    for option in OPTIONS:
+        assert (f"\n    {option.name}: " in LLM.__doc__) == option.is_keyword, option.name
 
 
 def test_options_module_is_a_low_layer():
