@@ -8,25 +8,19 @@ from tqdm.auto import tqdm
 
 from jpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.options import options_doc
 from jpaged.request import RequestOutput
 from jpaged.sampling import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    """Offline batched generation over the continuous-batching engine.
+    __doc__ = f"""Offline batched generation over the continuous-batching engine.
 
-    LLM(model=None, *, dtype="auto", block_size=16, num_kv_blocks=None,
-        gpu_memory_utilization=0.9, max_num_seqs=256, max_model_len=None,
-        max_num_batched_tokens=None, seed=0, attention_backend="auto", kv_cache_dtype="auto",
-        num_scheduler_steps=1, async_scheduling=False, async_depth=2, warmup=None,
-        strict_compilation=False, compilation_cache_dir=None, enable_prefix_caching=True,
-        preemption_mode="auto", swap_space=4.0, load_format="auto", tensor_parallel_size=1,
-        devices=None)
-    `model` is a Hugging Face directory; None loads the built-in model. `num_kv_blocks` fixes the
-    pool size exactly and overrides memory-based sizing. `tensor_parallel_size` splits the model
-    and KV cache over that many devices (the first of jax.devices(), or `devices`; see
-    `jpaged.parallel`). See the README for each option.
-    """
+    LLM(model=None, **options): `model` is a Hugging Face directory; None loads the built-in
+    model. The options (vLLM's names; `jpaged.options.OPTIONS`, which the server's flags share)
+    are checked before anything loads; a bad one raises ValueError naming it:
+
+{options_doc()}"""
 
     def __init__(self, model=None, **options):
         self.engine = LLMEngine.from_pretrained(model, **options)

@@ -1,11 +1,19 @@
-"""ModelConfig reads Hugging Face config.json (old and transformers 5 style); errors name fields."""
+"""ModelConfig reads Hugging Face config.json (old and transformers 5 style); errors name fields.
+The engine options table (jpaged.options) checks every option by name and documents them all."""
 
+import ast
+import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from jpaged import options
 from jpaged.config import ModelConfig, RopeConfig
+from jpaged.options import OPTIONS, EngineConfig, OptionError, check_options
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Llama 3.1 8B's config.json as published on the Hub (old-style rope_theta + rope_scaling).
 LLAMA31_8B = {
@@ -157,3 +165,110 @@ def test_every_fixture_config_parses(hf_checkpoints):
 def test_unknown_preset_lists_known():
     with pytest.raises(ValueError, match="unknown model preset"):
         ModelConfig.preset("no-such-model")
+
+
+# ---- engine options: one table (jpaged.options), checked in one place ----------------------------
+# One bad value per option; the test below fails when an option is added without one.
+BAD_VALUES = {
+    "dtype": "int4", "load_format": "pickle", "block_size": 0, "num_kv_blocks": 1,
+    "gpu_memory_utilization": 1.5, "max_num_seqs": -2, "max_model_len": 1.5,
+    "max_num_batched_tokens": True, "seed": -1, "attention_backend": "flash",
+    "kv_cache_dtype": "int8", "num_scheduler_steps": 0, "async_scheduling": "yes",
+    "async_depth": 0, "warmup": 1, "strict_compilation": None, "compilation_cache_dir": 3,
+    "enable_prefix_caching": "no", "preemption_mode": "evict", "swap_space": float("inf"),
+    "tensor_parallel_size": 0, "devices": [], "data_parallel_size": 0,
+}
+
+
+@pytest.mark.parametrize("name", [o.name for o in OPTIONS])
+def test_every_option_refuses_a_bad_value_by_name(name):
+    option = options.BY_NAME[name]
+    with pytest.raises(OptionError, match=f"^{name} must") as info:
+        check_options({name: BAD_VALUES[name]}, for_server=not option.is_keyword)
+    assert info.value.option == name
+
+
+def test_defaults_fill_in_and_unknown_or_misplaced_options_are_errors():
+    keyword_defaults = {o.name: o.default for o in OPTIONS if o.is_keyword}
+    assert check_options({}) == keyword_defaults
+    assert check_options({"block_size": 8})["block_size"] == 8
+    with pytest.raises(OptionError, match="unknown option.*block_sise"):
+        check_options({"block_sise": 8})
+    with pytest.raises(OptionError, match="data_parallel_size"):   # a server flag only
+        check_options({"data_parallel_size": 2})
+    with pytest.raises(OptionError, match="devices"):              # Python only
+        check_options({"devices": ["gpu:0"]}, for_server=True)
+
+
+@pytest.mark.parametrize("values, name, message", [
+    (dict(strict_compilation=True, warmup=False), "strict_compilation", "needs warmup=True"),
+    (dict(preemption_mode="swap", swap_space=0), "preemption_mode", "swap_space > 0"),
+    (dict(preemption_mode="swap", tensor_parallel_size=2), "preemption_mode", "single-device"),
+    (dict(preemption_mode="swap", devices=["d0"]), "preemption_mode", "single-device"),
+])
+def test_option_combinations_are_checked(values, name, message):
+    with pytest.raises(OptionError, match=message) as info:
+        check_options(values)
+    assert info.value.option == name
+    check_options(dict(strict_compilation=True))             # warmup None: decided at start
+    check_options(dict(tensor_parallel_size=2))              # preemption "auto": recompute there
+
+
+def test_engine_config_holds_only_decided_values():
+    EngineConfig(num_kv_blocks=8)
+    for name, placeholder in [("num_kv_blocks", None), ("max_model_len", None),
+                              ("attention_backend", "auto"), ("warmup", None),
+                              ("kv_dtype", "auto")]:
+        with pytest.raises(ValueError, match="decided"):
+            EngineConfig(**{"num_kv_blocks": 8, name: placeholder})
+    with pytest.raises(OptionError, match="at least 2"):
+        EngineConfig(num_kv_blocks=1)
+    with pytest.raises(OptionError, match="warmup"):
+        EngineConfig(num_kv_blocks=8, strict_compilation=True, warmup=False)
+    option_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"kv_dtype", "interpret"}
+    assert option_fields <= set(options.BY_NAME)   # same names as the table
+
+
+def test_options_are_checked_before_a_model_loads(tmp_path):
+    from jpaged.engine import LLMEngine
+    from jpaged.engine.builder import build_engine_config
+
+    with pytest.raises(OptionError, match="swap_space"):   # not FileNotFoundError
+        LLMEngine.from_pretrained(tmp_path / "missing", swap_space=-1)
+
+    class Model:
+        mesh = None
+
+    with pytest.raises(OptionError, match="dtype.*when a model is loaded"):
+        build_engine_config(Model(), dtype="bfloat16")
+
+
+def test_readme_options_table_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    begin = readme.index("<!-- options table:")
+    begin = readme.index("\n", begin) + 1
+    end = readme.index("<!-- end of options table -->")
+    assert readme[begin:end] == options.markdown_table(), \
+        "README's options table drifted: paste jpaged.options.markdown_table() between the markers"
+
+
+def test_llm_docstring_lists_every_keyword_option():
+    from jpaged import LLM
+
+    for option in OPTIONS:
+        assert (f"\n    {option.name}: " in LLM.__doc__) == option.is_keyword, option.name
+
+
+def test_options_module_is_a_low_layer():
+    """jpaged.options imports no engine, scheduler, model or kernel code (nor jax), and the
+    loader's load formats are the table's choices."""
+    from jpaged.models.loader import LOAD_FORMATS
+
+    tree = ast.parse((ROOT / "jpaged" / "options.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for a in node.names}
+    assert {name for name in imported if name.split(".")[0] in ("jpaged", "jax",
+                                                                "pallas_kernels")} \
+        == {"jpaged.config"}
+    assert LOAD_FORMATS == options.LOAD_FORMATS

@@ -508,6 +508,34 @@ def test_flags_reach_the_engine_options():
     assert (args.host, args.model) == ("127.0.0.1", None)
 
 
+def test_every_option_of_the_table_is_a_flag_with_its_default():
+    from jpaged.options import OPTIONS
+
+    args = serve.parse_args([])
+    flags = [o for o in OPTIONS if o.is_flag]
+    assert {o.name for o in OPTIONS} - {o.name for o in flags} == {"devices"}   # Python only
+    assert {o.name: getattr(args, o.name) for o in flags} == {o.name: o.default for o in flags}
+    assert set(serve.engine_options(args)) == {o.name for o in flags} - {"data_parallel_size"}
+    options = serve.engine_options(serve.parse_args(
+        ["--warmup", "--strict-compilation", "--compilation-cache-dir", "/tmp/xla"]))
+    assert (options["warmup"], options["strict_compilation"],
+            options["compilation_cache_dir"]) == (True, True, "/tmp/xla")
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--block-size", "0"], "--block-size"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
+    (["--data-parallel-size", "0"], "--data-parallel-size"),
+    (["--strict-compilation", "--no-warmup"], "--strict-compilation"),
+    (["--preemption-mode", "swap", "--tensor-parallel-size", "2"], "--preemption-mode")])
+def test_the_tables_checks_name_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        serve.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
 def test_chat_template_from_tokenizer_config_and_default(tmp_path):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     assert api.ChatTemplate().render(messages) == "user: hi\nassistant: yo\nassistant:"

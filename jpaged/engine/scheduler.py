@@ -15,9 +15,8 @@ import collections
 import dataclasses
 
 from jpaged.blocks.ledger import BlockLedger
+from jpaged.options import PREEMPTION_MODES
 from jpaged.request import Request, Sequence, SequenceStatus
-
-PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclasses.dataclass
@@ -76,9 +75,7 @@ class Scheduler:
     def __init__(self, ledger: BlockLedger, *, max_num_seqs: int, max_num_batched_tokens: int,
                  watermark: float = 0.01, preemption_mode: str = "recompute",
                  num_scheduler_steps: int = 1):
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                             f"got {preemption_mode!r}")
+        assert preemption_mode in PREEMPTION_MODES, preemption_mode  # checked by the options
         self.ledger = ledger
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
