@@ -56,25 +56,6 @@ def init_cache(num_layers, num_kv_heads, num_blocks, block_size, head_dim, dtype
                    tuple(zeros() for _ in range(num_layers)))
 
 
-def write_layer(cache: KVCache, layer: int, k_new, v_new, slot_mapping, *, backend="reference",
-                interpret=False, mesh=None) -> KVCache:
-    """Write one layer's new keys/values k_new, v_new [T, K, D] at slot_mapping [T].
-
-    backend/interpret pick the writer as for attention (`pallas_kernels.write_to_pages`); with a
-    tensor-parallel mesh each device writes its own kv heads.
-    """
-    write = functools.partial(pallas_kernels.write_to_pages, backend=backend,
-                              interpret=interpret)
-    if mesh is not None:
-        write = parallel.per_shard(
-            write, mesh, out_specs=(parallel.PAGES, parallel.PAGES),
-            in_specs=(parallel.PAGES, parallel.PAGES, parallel.HEADS, parallel.HEADS,
-                      parallel.REPLICATED))
-    k_layer, v_layer = write(cache.k_pages[layer], cache.v_pages[layer], k_new, v_new,
-                             slot_mapping)
-    return _replace_layer(cache, layer, k_layer, v_layer)
-
-
 def rotate_and_write_layer(cache: KVCache, layer: int, qkv, cos, sin, slot_mapping, *,
                           backend="reference", interpret=False, mesh=None):
     """One layer's projected heads -> (rotated queries [T, H, D], cache with layer `layer`'s
