@@ -32,10 +32,6 @@ class KVCache:
     v_pages: tuple
 
     @property
-    def num_layers(self) -> int:
-        return len(self.k_pages)
-
-    @property
     def num_blocks(self) -> int:
         return self.k_pages[0].shape[1]
 
@@ -122,17 +118,6 @@ def scatter_blocks(cache: KVCache, block_ids, k_blocks, v_blocks) -> KVCache:
 def bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
     """K and V bytes of one block across all layers."""
     return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
-
-
-def num_blocks_for_budget(budget_bytes, num_layers, num_kv_heads, head_dim, block_size,
-                          dtype) -> int:
-    """How many blocks (sink included) fit in budget_bytes; ValueError when fewer than two."""
-    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
-    num_blocks = int(budget_bytes // per_block)
-    if num_blocks < 2:
-        raise ValueError(f"KV memory budget of {budget_bytes} bytes holds {num_blocks} blocks of "
-                         f"{per_block} bytes; at least 2 (one sink + one usable) are needed")
-    return num_blocks
 
 
 def kv_footprint(config, *, tokens: int, block_size: int, dtype: str, users: int = 1,

@@ -1,8 +1,7 @@
-"""Paged KV cache: writes by slot (padding dropped), block copies, swap gather/scatter, sizing."""
+"""Paged KV cache: writes by slot (padding dropped), block copies, swap gather/scatter, sizes."""
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jpaged import kv_cache
 
@@ -60,9 +59,6 @@ def test_gather_scatter_round_trip():
     assert np.count_nonzero(np.asarray(back.k_pages[1])[:, [0, 1, 3, 4, 5]]) == 0
 
 
-def test_sizing_from_budget():
+def test_bytes_per_block():
     per_block = kv_cache.bytes_per_block(32, 8, 128, 16, jnp.bfloat16)
     assert per_block == 2 * 32 * 8 * 16 * 128 * 2
-    assert kv_cache.num_blocks_for_budget(10 * per_block + 5, 32, 8, 128, 16, jnp.bfloat16) == 10
-    with pytest.raises(ValueError, match="budget"):
-        kv_cache.num_blocks_for_budget(per_block, 32, 8, 128, 16, jnp.bfloat16)
