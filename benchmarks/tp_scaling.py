@@ -7,7 +7,7 @@ For every (model, TP) of --runs that the visible devices allow, one process each
   profile (TP > 1 only; TP = 1 has no collectives): benchmarks/collective_share.py, a profiler
       trace of a few decode steps at one batch, for the all-reduce share of the GPU's busy time.
 Results of earlier calls can be read back (--reuse: their output directories, or a markdown file
-with "### MODEL_tpN" sections such as results/tensor_parallel_h200x2.md), so a call can measure
+with "### MODEL_tpN" sections such as results/tp_scaling_h200x2.md), so a call can measure
 only what is missing. Writes into --out-dir: throughput_MODEL_tpN.md, profile_MODEL_tpN.json,
 run.log, tp_scaling.md (header, tables) and tp_scaling.png (scaling plot).
 Usage: python benchmarks/tp_scaling.py --out-dir OUT [--runs llama3-70b:2,4,8 llama3-8b:1,2,4,8]
