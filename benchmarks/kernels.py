@@ -2,7 +2,7 @@
 
 Usage (on the GPU machine, from the repository root):
     PYTHONPATH=. python3 benchmarks/kernels.py --out /tmp/kernels.md [--budget-seconds 300]
-        [--parts issue,decode,sweep,cudnn,torch,prefill,write] [--chain 16]
+        [--parts cases,decode,sweep,cudnn,torch,prefill,write] [--chain 16]
 
 Method. Every timed function is jitted with CHAIN kernel calls inside (--chain; 16 hides the
 Python dispatch of small cases, 4 does not), each call's output feeding the next call's queries
@@ -38,7 +38,8 @@ CHAIN = 4
 WRITE_CHAIN = 16  # cache writes per jitted call in cache_write_rows (each one is tiny)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, jnp.bfloat16  # Llama-3-8B-like
 DECODE_GRID = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192)]
-ISSUE_CASES = [(8, 1024), (64, 1024), (64, 4096), (256, 2048), (8, 32768)]
+# The (B, context) decode cases timed against every peer and swept.
+DECODE_CASES = [(8, 1024), (64, 1024), (64, 4096), (256, 2048), (8, 32768)]
 # Tiling overrides of the decode kernel's default; {} is the default tiling ("ours").
 DECODE_VARIANTS = [{}, dict(tokens_per_step=128), dict(num_stages=3), dict(num_warps=8)]
 PAGE_SIZE_CASE = (64, 4096)  # (B, context) also timed at S = 32, 64, 128
@@ -133,7 +134,7 @@ def decode_row(key, batch, context, block_size, ceiling, variants, with_peers):
 
 
 def sweep_variants(batch, context):
-    """--parts sweep: the tilings tried per issue case (split counts only where the default
+    """--parts sweep: the tilings tried per decode case (split counts only where the default
     splits)."""
     if default_tiling(batch, NUM_KV_HEADS, context, HEAD_DIM, DTYPE)["num_splits"] == 1:
         return [dict(tokens_per_step=step, num_stages=stages, num_warps=warps)
@@ -319,28 +320,28 @@ def versions():
             f"jaxlib {jaxlib.__version__}, triton {triton_version}, python {platform.python_version()}")
 
 
-PARTS = ("issue", "decode", "sweep", "cudnn", "torch", "prefill", "write")
+PARTS = ("cases", "decode", "sweep", "cudnn", "torch", "prefill", "write")
 
 
 def decode_plan(parts):
     plan = []
     if "sweep" in parts:
         plan += [(b, c, 16, [{}] + sweep_variants(b, c), True)
-                 for b, c in ISSUE_CASES]
-    if "issue" in parts and not {"decode", "sweep"} & set(parts):  # issue cases, default tiling
-        plan += [(b, c, 16, DECODE_VARIANTS[:1], True) for b, c in ISSUE_CASES]
+                 for b, c in DECODE_CASES]
+    if "cases" in parts and not {"decode", "sweep"} & set(parts):  # default tiling only
+        plan += [(b, c, 16, DECODE_VARIANTS[:1], True) for b, c in DECODE_CASES]
     if "decode" in parts:
         if "sweep" not in parts:
-            plan += [(b, c, 16, DECODE_VARIANTS, True) for b, c in ISSUE_CASES]
+            plan += [(b, c, 16, DECODE_VARIANTS, True) for b, c in DECODE_CASES]
         plan += [(b, c, 16, DECODE_VARIANTS[:1], True) for b, c in DECODE_GRID
-                 if (b, c) not in ISSUE_CASES]
+                 if (b, c) not in DECODE_CASES]
         plan += [(*PAGE_SIZE_CASE, s, DECODE_VARIANTS[:1], False) for s in (32, 64, 128)]
     return plan
 
 
 def cudnn_table(bandwidth, deadline):
     cells = []
-    for batch, context in ISSUE_CASES:
+    for batch, context in DECODE_CASES:
         if time.time() > deadline:
             break
         fn, arg_sets = contiguous_setup(jax.random.key(7), batch, context)
@@ -362,8 +363,8 @@ def main():
     parser.add_argument("--chain", type=int, default=4,
                         help="dependent kernel calls per jitted dispatch (amortizes host dispatch)")
     parser.add_argument("--parts", default="decode,cudnn,torch,prefill,write",
-                        help=f"comma-separated subset of {PARTS}; sweep: many tilings per issue "
-                             "case")
+                        help=f"comma-separated subset of {PARTS}; cases: DECODE_CASES at the "
+                             "default tiling; sweep: many tilings per decode case")
     args = parser.parse_args()
     CHAIN = args.chain
     parts = args.parts.split(",")
@@ -389,15 +390,15 @@ def main():
                      format_decode(decode_rows, bandwidth)]
     sections.insert(1, f"{CHAIN} dependent calls per jitted dispatch")
     if "sweep" in parts:
-        sections += ["## Decode tiling sweep (issue cases, fastest first)",
-                     format_sweep(decode_rows[:len(ISSUE_CASES)])]
+        sections += ["## Decode tiling sweep (decode cases, fastest first)",
+                     format_sweep(decode_rows[:len(DECODE_CASES)])]
     if "cudnn" in parts:
         sections += ["## cuDNN decode on a contiguous cache (jax.nn.dot_product_attention)",
                      cudnn_table(bandwidth, deadline)]
     if "torch" in parts:
         available, version = torch_peers.torch_available()
         sections += [f"## torch peers in the same process (torch {version})",
-                     torch_peers.peer_table(ISSUE_CASES, PREFILL_CASES) if available
+                     torch_peers.peer_table(DECODE_CASES, PREFILL_CASES) if available
                      else f"(not run: {version})"]
     if "write" in parts:
         sections += ["## Cache write, one layer (K=8, D=128, bf16, 32768 blocks of 16)",

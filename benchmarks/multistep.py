@@ -7,7 +7,7 @@ final_only`, as `LLM.generate` does; `cumulative` builds every request's output 
   GPU-busy tokens/s: the same tokens over the time the GPU was executing something (the union of
       kernel and copy intervals on its streams, from a `jax.profiler` trace of a third, identical
       async run): the device-only rate of the same steps;
-  wall / busy for both modes: the issue's targets are K = 8 within 1.10 at batch 64 on the
+  wall / busy for both modes: the targets are K = 8 within 1.10 at batch 64 on the
       1B-shaped model and K = 1 with async scheduling within 1.25;
   host us per token-step: the synchronous run's host time (scheduling, input building, output
       processing: everything outside dispatch-to-fetched-result) over the tokens generated.

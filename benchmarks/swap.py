@@ -1,4 +1,4 @@
-"""Swap preemption measured on one device (issue 6): transfer rates, the swap/recompute
+"""Swap preemption measured on one device: transfer rates, the swap/recompute
 crossover, and throughput under growing overload.
 
 1. Ceiling: one large bf16 array to JAX's `pinned_host` memory and back (`jax.device_put`).

@@ -1,6 +1,6 @@
 """Torch peers for benchmarks/kernels.py: SDPA on a contiguous cache, gather + SDPA on our pages.
 
-Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/torch_peers.py --cases issue
+Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/torch_peers.py --cases cases
 
 Method, kernels.py's, so the numbers share its table. A decode step is `chain` dependent calls,
 each output [B, H, D] feeding the next call's queries, each call on its own K/V set (kernels.py's
@@ -340,13 +340,13 @@ def _first_line(error):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", choices=["issue", "grid"], default="issue",
-                        help="decode cases: kernels.py's ISSUE_CASES or DECODE_GRID")
+    parser.add_argument("--cases", choices=["cases", "grid"], default="cases",
+                        help="decode cases: kernels.py's DECODE_CASES or DECODE_GRID")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     from benchmarks import kernels  # the case lists live there (imported late: kernels imports us)
     print(f"torch: {torch_available()[1]}", flush=True)
-    decode_cases = kernels.ISSUE_CASES if args.cases == "issue" else kernels.DECODE_GRID
+    decode_cases = kernels.DECODE_CASES if args.cases == "cases" else kernels.DECODE_GRID
     print(peer_table(decode_cases, kernels.PREFILL_CASES, args.repeats))
 
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel scaling (issue 10): throughput and all-reduce share per (model, TP size).
+"""Tensor-parallel scaling: throughput and all-reduce share per (model, TP size).
 
 For every (model, TP) of --runs that the visible devices allow, one process each:
   throughput: benchmarks/throughput.py on the 256-request ShareGPT-like trace (output tokens/s,
@@ -7,13 +7,12 @@ For every (model, TP) of --runs that the visible devices allow, one process each
   profile (TP > 1 only; TP = 1 has no collectives): benchmarks/collective_share.py, a profiler
       trace of a few decode steps at one batch, for the all-reduce share of the GPU's busy time.
 Results of earlier calls can be read back (--reuse: their output directories, or a markdown file
-with "### MODEL_tpN" sections such as results/tensor_parallel_h200x2.md), so a call can measure
+with "### MODEL_tpN" sections such as results/tp_scaling_h200x2.md), so a call can measure
 only what is missing. Writes into --out-dir: throughput_MODEL_tpN.md, profile_MODEL_tpN.json,
 run.log, tp_scaling.md (header, tables) and tp_scaling.png (scaling plot).
 Usage: python benchmarks/tp_scaling.py --out-dir OUT [--runs llama3-70b:2,4,8 llama3-8b:1,2,4,8]
        [--parts throughput,profile] [--reuse DIR_OR_MD ...] [--time-limit MODEL=SECONDS ...]
-NCCL's NVLink multicast is turned off for every child (the machine's notes: it can take the
-host's GPUs down).
+NCCL's NVLink multicast is turned off for every child (it can take a host's GPUs down).
 """
 
 import argparse
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ISSUE_RUNS = ["llama3-70b:2,4,8", "llama3-8b:1,2,4,8"]
+DEFAULT_RUNS = ["llama3-70b:2,4,8", "llama3-8b:1,2,4,8"]
 DEFAULT_LIMITS = {"llama3-70b": 290}   # seconds per throughput run; others: --default-limit
 NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                     NVSHMEM_DISABLE_NVLS="1")
@@ -249,7 +248,7 @@ def key_values(pairs) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description="tensor-parallel scaling runs")
     parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--runs", nargs="+", default=ISSUE_RUNS, help="MODEL:TP[,TP...] ...")
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help="MODEL:TP[,TP...] ...")
     parser.add_argument("--parts", default="throughput,profile",
                         help="what to measure: throughput, profile, both, or '' (report only)")
     parser.add_argument("--reuse", nargs="*", default=[],

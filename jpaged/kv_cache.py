@@ -32,10 +32,6 @@ class KVCache:
     v_pages: tuple
 
     @property
-    def num_layers(self) -> int:
-        return len(self.k_pages)
-
-    @property
     def num_blocks(self) -> int:
         return self.k_pages[0].shape[1]
 
@@ -54,25 +50,6 @@ def init_cache(num_layers, num_kv_heads, num_blocks, block_size, head_dim, dtype
         zeros = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
     return KVCache(tuple(zeros() for _ in range(num_layers)),
                    tuple(zeros() for _ in range(num_layers)))
-
-
-def write_layer(cache: KVCache, layer: int, k_new, v_new, slot_mapping, *, backend="reference",
-                interpret=False, mesh=None) -> KVCache:
-    """Write one layer's new keys/values k_new, v_new [T, K, D] at slot_mapping [T].
-
-    backend/interpret pick the writer as for attention (`pallas_kernels.write_to_pages`); with a
-    tensor-parallel mesh each device writes its own kv heads.
-    """
-    write = functools.partial(pallas_kernels.write_to_pages, backend=backend,
-                              interpret=interpret)
-    if mesh is not None:
-        write = parallel.per_shard(
-            write, mesh, out_specs=(parallel.PAGES, parallel.PAGES),
-            in_specs=(parallel.PAGES, parallel.PAGES, parallel.HEADS, parallel.HEADS,
-                      parallel.REPLICATED))
-    k_layer, v_layer = write(cache.k_pages[layer], cache.v_pages[layer], k_new, v_new,
-                             slot_mapping)
-    return _replace_layer(cache, layer, k_layer, v_layer)
 
 
 def rotate_and_write_layer(cache: KVCache, layer: int, qkv, cos, sin, slot_mapping, *,
@@ -141,17 +118,6 @@ def scatter_blocks(cache: KVCache, block_ids, k_blocks, v_blocks) -> KVCache:
 def bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
     """K and V bytes of one block across all layers."""
     return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
-
-
-def num_blocks_for_budget(budget_bytes, num_layers, num_kv_heads, head_dim, block_size,
-                          dtype) -> int:
-    """How many blocks (sink included) fit in budget_bytes; ValueError when fewer than two."""
-    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
-    num_blocks = int(budget_bytes // per_block)
-    if num_blocks < 2:
-        raise ValueError(f"KV memory budget of {budget_bytes} bytes holds {num_blocks} blocks of "
-                         f"{per_block} bytes; at least 2 (one sink + one usable) are needed")
-    return num_blocks
 
 
 def kv_footprint(config, *, tokens: int, block_size: int, dtype: str, users: int = 1,

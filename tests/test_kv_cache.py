@@ -1,8 +1,7 @@
-"""Paged KV cache: writes by slot (padding dropped), block copies, swap gather/scatter, sizing."""
+"""Paged KV cache: writes by slot (padding dropped), block copies, swap gather/scatter, sizes."""
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jpaged import kv_cache
 
@@ -15,17 +14,25 @@ def numbered_cache(num_layers=2, kv_heads=2, blocks=6, size=4, dim=3):
                             tuple(-(values + 1000 * l) for l in range(num_layers)))
 
 
-def test_write_layer_writes_slots_and_drops_padding():
-    cache = kv_cache.init_cache(2, 2, 4, 4, 3, jnp.float32)
-    new = jnp.arange(3 * 2 * 3, dtype=jnp.float32).reshape(3, 2, 3) + 1
+def test_rotate_and_write_layer_writes_slots_and_drops_padding():
+    """The model's write path, one layer: 2 query heads, 2 kv heads, D = 4, tokens at slots 5,
+    padding (-1) and 14. Rotation by 90 degrees maps each head's (a, b, c, d) to (-c, -d, a, b)."""
+    cache = kv_cache.init_cache(2, 2, 4, 4, 4, jnp.float32)
+    qkv = jnp.arange(3 * 6 * 4, dtype=jnp.float32).reshape(3, 1, 6, 4) + 1   # [T, P, H + 2K, D]
+    cos, sin = jnp.zeros((3, 4)), jnp.ones((3, 4))
     slots = jnp.array([5, kv_cache.PAD_SLOT, 14])
-    out = kv_cache.write_layer(cache, 1, new, -new, slots)
-    k = np.asarray(out.k_pages[1])
-    np.testing.assert_array_equal(k[:, 1, 1], np.asarray(new[0]))   # slot 5 = block 1, offset 1
-    np.testing.assert_array_equal(k[:, 3, 2], np.asarray(new[2]))   # slot 14 = block 3, offset 2
-    assert np.count_nonzero(k) == 2 * 2 * 3                          # padding wrote nothing
+    q, out = kv_cache.rotate_and_write_layer(cache, 1, qkv, cos, sin, slots)
+
+    def rotated(x):
+        return np.concatenate([-x[..., 2:], x[..., :2]], axis=-1)
+    heads = np.asarray(qkv[:, 0])
+    np.testing.assert_array_equal(np.asarray(q), rotated(heads[:, :2]))
+    k, v = np.asarray(out.k_pages[1]), np.asarray(out.v_pages[1])
+    for token, (block, offset) in ((0, (1, 1)), (2, (3, 2))):   # slot 5 = block 1, offset 1
+        np.testing.assert_array_equal(k[:, block, offset], rotated(heads[token, 2:4]))
+        np.testing.assert_array_equal(v[:, block, offset], heads[token, 4:6])   # values unrotated
+    assert np.count_nonzero(k) == np.count_nonzero(v) == 2 * 2 * 4   # padding wrote nothing
     assert np.count_nonzero(np.asarray(out.k_pages[0])) == 0         # other layers untouched
-    np.testing.assert_array_equal(np.asarray(out.v_pages[1]), -k)
 
 
 def test_copy_blocks_reads_all_sources_first():
@@ -52,9 +59,6 @@ def test_gather_scatter_round_trip():
     assert np.count_nonzero(np.asarray(back.k_pages[1])[:, [0, 1, 3, 4, 5]]) == 0
 
 
-def test_sizing_from_budget():
+def test_bytes_per_block():
     per_block = kv_cache.bytes_per_block(32, 8, 128, 16, jnp.bfloat16)
     assert per_block == 2 * 32 * 8 * 16 * 128 * 2
-    assert kv_cache.num_blocks_for_budget(10 * per_block + 5, 32, 8, 128, 16, jnp.bfloat16) == 10
-    with pytest.raises(ValueError, match="budget"):
-        kv_cache.num_blocks_for_budget(per_block, 32, 8, 128, 16, jnp.bfloat16)

@@ -29,10 +29,14 @@ scatter_jit = jax.jit(kv_cache.scatter_blocks)
 
 @jax.jit
 def write_and_copy(cache, copies, slots, values):
-    """Apply CoW copies, then write each new token's value (K=1, D=1 cache)."""
+    """Apply CoW copies, then write each new token's value as its key and value through the
+    model's write path (one query and one kv head, D = 2, rotation by angle 0)."""
     cache = kv_cache.copy_blocks(cache, copies)
-    new = values.reshape(-1, 1, 1)
-    return kv_cache.write_layer(cache, 0, new, new, slots.reshape(-1))
+    num_tokens = values.size
+    qkv = jnp.broadcast_to(values.reshape(-1, 1, 1, 1), (num_tokens, 1, 3, 2))  # [T, P, H + 2K, D]
+    cos, sin = jnp.ones((num_tokens, 2)), jnp.zeros((num_tokens, 2))
+    _, cache = kv_cache.rotate_and_write_layer(cache, 0, qkv, cos, sin, slots.reshape(-1))
+    return cache
 
 
 def padded(values, fill):
@@ -105,7 +109,7 @@ def check_contents(cache, state, histories):
 def initial_state_and_cache():
     """Immutable, so every example can start from the same objects."""
     return (allocator.init_state(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS),
-            kv_cache.init_cache(1, 1, NUM_BLOCKS, BLOCK_SIZE, 1, jnp.float32))
+            kv_cache.init_cache(1, 1, NUM_BLOCKS, BLOCK_SIZE, 2, jnp.float32))
 
 
 def run_operations(operations):
@@ -209,7 +213,7 @@ def run_cache_operation(kind, args, state, cache, mirror, histories, retained, n
         mirror.adopt([(seq_id, blocks, length)])
         values = np.arange(next_value, next_value + count * BLOCK_SIZE, dtype=np.float32)
         next_value += count * BLOCK_SIZE
-        data = jnp.asarray(values.reshape(1, 1, count, BLOCK_SIZE, 1))
+        data = jnp.asarray(np.repeat(values.reshape(1, 1, count, BLOCK_SIZE, 1), 2, axis=-1))
         cache = scatter_jit(cache, jnp.asarray(blocks, jnp.int32), data, data)
         histories[seq_id] = values[:length].tolist()
     return state, cache, next_value

@@ -84,7 +84,7 @@ def test_timing_needs_cuda():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU table")
 def test_table_shows_errors_and_keeps_going():
-    table = torch_peers.peer_table(kernels.ISSUE_CASES, kernels.PREFILL_CASES)
+    table = torch_peers.peer_table(kernels.DECODE_CASES, kernels.PREFILL_CASES)
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 2 + len(kernels.ISSUE_CASES) + len(kernels.PREFILL_CASES)
+    assert len(rows) == 2 + len(kernels.DECODE_CASES) + len(kernels.PREFILL_CASES)
     assert table.count("error: RuntimeError: torch peers need a CUDA GPU") == 2 * (len(rows) - 2)

@@ -48,7 +48,7 @@ def test_throughput_report_read_back_from_a_directory(tmp_path):
 
 
 def test_committed_two_gpu_results_read_back_by_section():
-    path = ROOT / "benchmarks/results/tensor_parallel_h200x2.md"
+    path = ROOT / "benchmarks/results/tp_scaling_h200x2.md"
     throughput, _ = tp_scaling.read_reused([path])
     assert sorted(throughput) == [("llama3-70b", 2), ("llama3-8b", 1), ("llama3-8b", 2)]
     assert throughput["llama3-70b", 2]["tokens_s_warm"] == 1499

@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# The run behind tensor_parallel_h200x2.md, on a machine with 2 GPUs: (1) compiled TP parity
-# (tests/parallel_worker.py on the tiny GQA checkpoint, Pallas GPU kernels: TP=1 and 2 greedy
-# tokens, shardings, and two data-parallel replicas behind the server app), then (2)
-# benchmarks/throughput.py on the 256-request ShareGPT-like trace: llama3-70b at TP=2, llama3-8b
-# at TP=2 and TP=1. Writes env.txt, parity.json, run.log, one table per run and summary.md into
-# OUT_DIR. Each throughput run has its own time limit (seconds: LIMIT_70B, LIMIT_8B), after
-# which it reports the steps it ran, marked incomplete.
+# The throughput runs and compiled parity of tp_scaling_h200x2.md, on a machine with 2 GPUs:
+# (1) compiled TP parity (tests/parallel_worker.py on the tiny GQA checkpoint, Pallas GPU kernels:
+# TP=1 and 2 greedy tokens, shardings, and two data-parallel replicas behind the server app),
+# then (2) benchmarks/throughput.py on the 256-request ShareGPT-like trace: llama3-70b at TP=2,
+# llama3-8b at TP=2 and TP=1. Writes env.txt, parity.json, run.log, one table per run and
+# summary.md into OUT_DIR. Each throughput run has its own time limit (seconds: LIMIT_70B,
+# LIMIT_8B), after which it reports the steps it ran, marked incomplete.
 #
-# Usage, from the repository root: bash benchmarks/results/tensor_parallel_h200x2.sh OUT_DIR
+# Usage, from the repository root: bash benchmarks/results/tp_scaling_h200x2.sh OUT_DIR
 # CHECKPOINT (a tiny GQA checkpoint already written, e.g. by tests/hf_fixtures.py), PYTHON,
 # BIG/SMALL (presets) and FLAGS (extra throughput.py flags) override the defaults; a CPU rehearsal
 # uses XLA_FLAGS=--xla_force_host_platform_device_count=2 BIG=tiny SMALL=tiny and small flags.
 set -u -o pipefail
 out=${1:?usage: $0 OUT_DIR}
 python=${PYTHON:-python3}
-# NVLink multicast stays off (the machine's notes: it can take the host's GPUs down).
+# NVLink multicast stays off (it can take a host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
-# The server app (data-parallel check) needs fastapi, which the GPU machine lacks: wheels carried
-# in .whl/ (see the device tool's notes) are installed first when present.
+# The server app (data-parallel check) needs fastapi; where the GPU machine lacks it, wheels put
+# in .whl/ are installed first.
 if [ -d .whl ]; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site

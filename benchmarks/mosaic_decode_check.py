@@ -1,8 +1,8 @@
-"""Checks the Mosaic GPU decode kernel on a GPU: compiles it, compares it with the reference and
-times it against the Triton kernel.
+"""Checks the Mosaic GPU decode kernel (benchmarks/mosaic_decode.py) on a GPU: compiles it,
+compares it with the reference and times it against the Triton kernel.
 
 Usage (on the GPU machine, from the repository root):
-    PYTHONPATH=. python3 tools/check_mosaic_decode.py --out DIR [--budget-seconds 280]
+    PYTHONPATH=. python3 benchmarks/mosaic_decode_check.py --out DIR [--budget-seconds 280]
 
 Each stage (versions, correctness, timing) runs in a child process under a timeout, so a kernel that
 faults or hangs costs its stage, not the whole run; every case inside a stage is wrapped too, so one
@@ -88,7 +88,7 @@ def stage_correctness(log):
     import jax.numpy as jnp
     import numpy as np
     from pallas_kernels import reference
-    from pallas_kernels.gpu import decode_mosaic
+    from benchmarks import mosaic_decode
     from pallas_kernels.testing import (TOLERANCE, make_problem, max_row_error,
                                         poison_unused_table_entries)
     log.line("| case | dtype | max row rel err | tolerance | result | seconds (incl. compile) |")
@@ -99,7 +99,7 @@ def stage_correctness(log):
             try:
                 problem = poison_unused_table_entries(make_problem(
                     0, head_dim=HEAD_DIM, dtype=dtype, **problem_kwargs))
-                out = decode_mosaic.paged_attention_decode(*problem.decode_args, **kernel_kwargs)
+                out = mosaic_decode.paged_attention_decode(*problem.decode_args, **kernel_kwargs)
                 out = np.asarray(out.astype(jnp.float32))
                 ref = reference.paged_attention_decode(*problem.decode_args)
                 error = max_row_error(out, ref)
@@ -120,7 +120,7 @@ def stage_timing(log):
     import jax
     from benchmarks.kernels import CHAIN, chained, decode_setup, median_seconds
     from pallas_kernels.gpu import decode as triton_decode
-    from pallas_kernels.gpu import decode_mosaic
+    from benchmarks import mosaic_decode
     log.line("| B | context | kernel | tiling | us/call | GB/s | vs Triton |")
     log.line("|---|---|---|---|---|---|---|")
     for batch, context in TIMING_CASES:
@@ -130,15 +130,15 @@ def stage_timing(log):
         except Exception as error:
             log.error(f"setup B{batch} ctx{context}", error)
             continue
-        default_splits = decode_mosaic.default_tiling(batch, NUM_KV_HEADS, context, 64)
+        default_splits = mosaic_decode.default_tiling(batch, NUM_KV_HEADS, context, 64)
         kernels = [("triton", "default", triton_decode.paged_attention_decode),
                    ("mosaic", f"default C64/st2/sp{default_splits}",
-                    decode_mosaic.paged_attention_decode)]
+                    mosaic_decode.paged_attention_decode)]
         for step, stages, split_factor in MOSAIC_VARIANTS:
-            splits = max(1, decode_mosaic.default_tiling(batch, NUM_KV_HEADS, context, step)
+            splits = max(1, mosaic_decode.default_tiling(batch, NUM_KV_HEADS, context, step)
                          * split_factor)
             kernels.append(("mosaic", f"C{step}/st{stages}/sp{splits}", functools.partial(
-                decode_mosaic.paged_attention_decode, tokens_per_step=step, num_stages=stages,
+                mosaic_decode.paged_attention_decode, tokens_per_step=step, num_stages=stages,
                 num_splits=splits)))
         triton_seconds = None
         for name, tiling, kernel in kernels:

@@ -1,12 +1,13 @@
 """GPU paged decode attention on Hopper (Pallas Mosaic GPU): TMA page copies, SMEM ring, WGMMA.
 
 Status: experimental, correct but SLOWER than the Triton kernel (`pallas_kernels.gpu.decode`), so
-not wired into `pallas_kernels.paged_attention_decode`. Measured by tools/check_mosaic_decode.py on
-an H200 (jax 0.11.2, H=32, K=8, D=128, bf16, S=16; us per call, Triton default tiling vs this
-file's default): B8 ctx1024 17.1 vs 22.2; B64 ctx1024 69.5 vs 90.3; B64 ctx4096 250.6 vs 271.8
-(3.95 TB/s); B256 ctx2048 493.3 vs 518.9 (4.15 TB/s); B8 ctx32768 250.8 vs 274.2, i.e. 0.77-0.95x.
-All 15 bf16 correctness cases at 64 tokens per step (S 16/32/64/128, GQA/MHA/MQA, B 1/8/64, 2-4
-stages, padding rows, NaN-filled unused slots, poisoned table tails) matched the reference to
+it lives with the benchmarks, outside the installed `pallas_kernels` package, and nothing in the
+engine calls it. Measured by benchmarks/mosaic_decode_check.py on an H200 (jax 0.11.2, H=32, K=8,
+D=128, bf16, S=16; us per call, Triton default tiling vs this file's default): B8 ctx1024 17.1 vs
+22.2; B64 ctx1024 69.5 vs 90.3; B64 ctx4096 250.6 vs 271.8 (3.95 TB/s); B256 ctx2048 493.3 vs
+518.9 (4.15 TB/s); B8 ctx32768 250.8 vs 274.2, i.e. 0.77-0.95x. All 15 bf16 correctness cases at
+64 tokens per step (S 16/32/64/128, GQA/MHA/MQA, B 1/8/64, 2-4 stages, padding rows, NaN-filled
+unused slots, poisoned table tails) matched the reference to
 < 3.7e-3 (max row error; tolerance 1e-2). tokens_per_step=128 gave
 WRONG results (max row error 1.0) on the H200 once q moved from SMEM to registers (it was right
 with q in SMEM, and is right in the interpreter), so only 64 is accepted. Needs jax >= 0.11 (Mosaic
@@ -49,8 +50,8 @@ from pallas_kernels._validate import check_decode_args, check_power_of_two
 _ROWS = 64  # rows of one warpgroup's WGMMA tile: a GQA group (<= 64 query heads) is padded to it
 _SWIZZLE_BYTES = 128  # 128-byte swizzle: 64 bf16 columns per tile
 # Splits aim at this many CTAs (about five waves of three CTAs on each of the H200's 132 SMs: many
-# short CTAs balanced better than a few long ones in tools/check_mosaic_decode.py), with at least
-# _MIN_STEPS_PER_SPLIT steps each.
+# short CTAs balanced better than a few long ones in benchmarks/mosaic_decode_check.py), with at
+# least _MIN_STEPS_PER_SPLIT steps each.
 _TARGET_CTAS = 2048
 _MIN_STEPS_PER_SPLIT = 4
 _LOG2E = math.log2(math.e)
