@@ -360,13 +360,13 @@ def test_abort_returns_reserved_sample_slots(hf_checkpoints):
 def test_attention_backend_resolves_per_platform(monkeypatch, platform, name, expected):
     """A Pallas kernel for another accelerator is refused by name before anything compiles;
     on the CPU both Pallas backends run interpreted."""
-    from jpaged.engine import builder as engine_config
-    monkeypatch.setattr(engine_config.jax, "default_backend", lambda: platform)
+    from jpaged.engine import builder
+    monkeypatch.setattr(builder.jax, "default_backend", lambda: platform)
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected):
-            engine_config.resolve_attention_backend(name)
+            builder.resolve_attention_backend(name)
     else:
-        assert engine_config.resolve_attention_backend(name) == expected
+        assert builder.resolve_attention_backend(name) == expected
 
 
 def _collaborator_calls(engine, calls_per_step: int = 1) -> list[list[str]]:
