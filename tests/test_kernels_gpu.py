@@ -24,12 +24,18 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
-# (heads, head_dim, block_size, dtype). Interpreting costs ~2 s of compile per shape: keep CPU small.
+# Head dims of real models; the ones that are not powers of two run on tiles padded in the kernel.
+HEAD_DIMS = (48, 64, 80, 96, 112, 128, 192, 256)
+# (heads, head_dim, block_size, dtype). Interpreting costs ~1 s of compile per shape: keep CPU small
+# (each head dim that is not a power of two once, spread over heads, block sizes and dtypes).
 CPU_GRID = [("mha", 64, 16, F32), ("gqa", 64, 16, BF16), ("mqa", 128, 32, F32),
-            ("gqa", 128, 64, BF16), ("gqa", 64, 128, F32), ("gqa", 256, 16, BF16)]
+            ("gqa", 128, 64, BF16), ("gqa", 64, 128, F32), ("gqa", 256, 16, BF16),
+            ("gqa", 48, 16, F32), ("mqa", 80, 32, BF16), ("mha", 96, 16, F32),
+            ("gqa", 112, 64, BF16), ("mqa", 192, 16, F32)]
 GPU_GRID = [*itertools.product(HEADS, (64, 128), (16, 32, 64, 128), (BF16,)),
             ("mha", 64, 16, F32), ("gqa", 128, 32, F32), ("mqa", 128, 128, F32),
-            ("gqa", 64, 64, F32), ("gqa", 256, 16, BF16), ("mqa", 256, 128, F32)]
+            ("gqa", 64, 64, F32), ("gqa", 256, 16, BF16), ("mqa", 256, 128, F32),
+            *itertools.product(HEADS, (48, 80, 96, 112, 192, 256), (16, 64), (BF16, F32))]
 GRID = GPU_GRID if ON_GPU else CPU_GRID
 
 ref_decode = jax.jit(reference.paged_attention_decode)
@@ -208,6 +214,17 @@ def test_bad_arguments_raise_naming_them(change, argument):
         pk.paged_attention_prefill_gpu(**prefill_args, interpret=INTERPRET)
 
 
+def lower_for_cuda(fn, args):
+    """The StableHLO text of fn(*args) lowered for CUDA (the Triton kernels lowered to Triton IR
+    and verified on the way), or a skip where this jax cannot lower for CUDA without a GPU."""
+    try:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as error:  # jax >= 0.11 asks a real GPU for its compute capability
+        if "No supported GPU devices" in str(error):
+            pytest.skip("this jax cannot lower for CUDA without a GPU")
+        raise
+
+
 def test_kernels_lower_to_triton():
     """Lowering for CUDA runs on any machine: catches Triton-lowering errors without a GPU.
 
@@ -221,37 +238,72 @@ def test_kernels_lower_to_triton():
              (pk.paged_attention_prefill_gpu, problem.prefill_args),
              (cache_write.write_to_pages, cache_write_problem(4, BF16))]
     for fn, args in cases:
-        try:
-            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-        except RuntimeError as error:  # jax >= 0.11 asks a real GPU for its compute capability
-            if "No supported GPU devices" in str(error):
-                pytest.skip("this jax cannot lower for CUDA without a GPU")
-            raise
-        text = lowered.as_text()
+        text = lower_for_cuda(fn, args)
         assert text.count("xla.gpu.triton") == 1
         if fn is not pk.paged_attention_prefill_gpu:
             assert "stablehlo.reduce" not in text
 
 
+def test_every_head_dim_lowers_to_triton():
+    """Triton needs power-of-two tiles, which the interpreter does not check: lowering (which
+    verifies the Triton IR) does. Every kernel, at head dims that are not powers of two, one
+    Triton call each."""
+    for head_dim in (8, 48, 80, 192):  # padded to 16, 64, 128, 256
+        kwargs = dict(num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=BF16)
+        decode_args = testing.decode_problem(0, **kwargs).decode_args
+        prefill_args = testing.prefill_problem(0, **kwargs).prefill_args
+        cases = [
+            (functools.partial(pk.paged_attention_decode_gpu, num_splits=1), decode_args),
+            (functools.partial(pk.paged_attention_decode_gpu, num_splits=4), decode_args),
+            (pk.paged_attention_prefill_gpu, prefill_args),
+            (cache_write.write_to_pages, cache_write_problem(2, BF16, head_dim=head_dim)),
+            (functools.partial(cache_write.rotate_and_write, num_heads=8),
+             rotate_write_problem(8, 2, head_dim, BF16, 13))]
+        for fn, args in cases:
+            assert lower_for_cuda(fn, args).count("xla.gpu.triton") == 1, (head_dim, fn)
+
+
+@pytest.mark.parametrize("head_dim", [44, 264])
+def test_head_dims_no_kernel_takes_raise_naming_head_dim(head_dim):
+    """Multiples of 8 up to 256 only."""
+    case = ("gqa", head_dim, 16, F32)
+    decode, prefill = make_decode(case), make_prefill(case)
+    calls = [lambda: pk.paged_attention_decode_gpu(*decode.decode_args),
+             lambda: pk.paged_attention_prefill_gpu(*prefill.prefill_args),
+             lambda: cache_write.write_to_pages(*cache_write_problem(2, F32, head_dim=head_dim)),
+             lambda: cache_write.rotate_and_write(*rotate_write_problem(4, 2, head_dim, F32, 4),
+                                                  num_heads=4)]
+    for call in calls:
+        with pytest.raises(ValueError, match="head_dim"):
+            call()
+
+
 # --- cache writes -------------------------------------------------------------------------------
 
-def cache_write_problem(num_kv_heads, dtype, num_tokens=13, seed=0):
-    """Pages [K, 9, 4, 16] of random values; T new rows (float32) at distinct slots, two of -1."""
+def cache_write_problem(num_kv_heads, dtype, num_tokens=13, seed=0, head_dim=16):
+    """Pages [K, 9, 4, D] of random values; T new rows (float32) at distinct slots, two of -1."""
     rng = np.random.default_rng(seed)
-    shape = (num_kv_heads, 9, 4, 16)
+    shape = (num_kv_heads, 9, 4, head_dim)
     k_pages, v_pages = (jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2))
-    k_new, v_new = (jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads, 16)), jnp.float32)
-                    for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads, head_dim)),
+                                jnp.float32) for _ in range(2))
     slots = rng.permutation(np.arange(4, 9 * 4))[:num_tokens].astype(np.int32)
     slots[[2, 7]] = -1
     return k_pages, v_pages, k_new, v_new, jnp.asarray(slots)
 
 
-@pytest.mark.parametrize("num_kv_heads,dtype,tokens_per_program", [
-    (2, F32, 4), (3, BF16, 8), (1, BF16, 16)])
-def test_cache_write_kernel_equals_xla_scatter(num_kv_heads, dtype, tokens_per_program):
-    """Bit-identical to the reference scatter, -1 slots skipped, other slots untouched."""
-    args = cache_write_problem(num_kv_heads, dtype)
+CACHE_WRITE_CASES = [(2, F32, 4, 16), (3, BF16, 8, 16), (1, BF16, 16, 16), (2, F32, 4, 48),
+                     (3, BF16, 8, 80), (1, F32, 8, 192)]
+if ON_GPU:
+    CACHE_WRITE_CASES += [(kv, dtype, 8, dim) for kv in (1, 8) for dtype in (BF16, F32)
+                          for dim in HEAD_DIMS]
+
+
+@pytest.mark.parametrize("num_kv_heads,dtype,tokens_per_program,head_dim", CACHE_WRITE_CASES)
+def test_cache_write_kernel_equals_xla_scatter(num_kv_heads, dtype, tokens_per_program, head_dim):
+    """Bit-identical to the reference scatter, -1 slots skipped, other slots untouched; head
+    dims that are not powers of two write only their D columns."""
+    args = cache_write_problem(num_kv_heads, dtype, head_dim=head_dim)
     expected = jax.jit(reference.write_to_pages)(*args)
     out = cache_write.write_to_pages(*args, interpret=INTERPRET,
                                      tokens_per_program=tokens_per_program)
@@ -289,16 +341,22 @@ def rotate_write_problem(num_heads, num_kv_heads, head_dim, dtype, num_tokens, s
     return qkv, cos, sin, k_pages, v_pages, jnp.asarray(slots)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,num_tokens,tokens_per_program", [
-    (4, 4, 16, F32, 12, None), (8, 2, 64, BF16, 13, None), (4, 1, 32, BF16, 6, None),
-    (28, 4, 128, BF16, 8, None), (16, 8, 16, F32, 2, None), (4, 4, 16, F32, 12, 4),
-    (8, 2, 64, BF16, 8, 2)])
+ROTATE_CASES = [(4, 4, 16, F32, 12, None), (8, 2, 64, BF16, 13, None), (4, 1, 32, BF16, 6, None),
+                (28, 4, 128, BF16, 8, None), (16, 8, 16, F32, 2, None), (4, 4, 16, F32, 12, 4),
+                (8, 2, 64, BF16, 8, 2), (8, 2, 48, BF16, 13, None), (4, 4, 80, F32, 8, 4)]
+if ON_GPU:
+    ROTATE_CASES += [(heads, kv, dim, dtype, 13, None) for heads, kv in HEADS.values()
+                     for dim in HEAD_DIMS for dtype in (BF16, F32)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,num_tokens,tokens_per_program",
+                         ROTATE_CASES)
 def test_rotate_and_write_equals_reference(num_heads, num_kv_heads, head_dim, dtype,
                                            num_tokens, tokens_per_program):
     """Rotated queries and keys within the dtype's tolerance of the reference (one rounding
     where XLA may round per operation), values bit-identical; skipped slots and every other
-    slot untouched. Token counts that are odd or not a multiple of 4, head counts not a
-    power of two, one token or several per program."""
+    slot untouched. Token counts that are odd or not a multiple of 4, head counts and head dims
+    not powers of two, one token or several per program."""
     args = rotate_write_problem(num_heads, num_kv_heads, head_dim, dtype, num_tokens)
     want_q, want_k, want_v = jax.jit(functools.partial(reference.rotate_and_write,
                                                        num_heads=num_heads))(*args)

@@ -28,7 +28,9 @@ F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # more pages than any sequence has. Interpreting costs ~5 s per shape: keep the grid small.
 GRID = [("mha", 64, 16, F32, 2), ("gqa", 64, 16, BF16, 1), ("mqa", 128, 32, F32, 2),
         ("gqa", 128, 64, BF16, 2), ("gqa", 64, 128, F32, 1), ("gqa", 256, 16, BF16, 8)]
-
+# Head dims that are not powers of two (96 and the rest run in the GPU kernels' grid too).
+HEAD_DIM_GRID = [("gqa", 48, 16, F32, 2), ("mqa", 80, 32, BF16, 1), ("gqa", 112, 64, BF16, 3),
+                 ("mqa", 192, 16, F32, 2)]
 ref_decode = jax.jit(reference.paged_attention_decode)
 ref_prefill = jax.jit(reference.paged_attention_prefill)
 
@@ -51,7 +53,7 @@ def assert_matches(out, ref, dtype):
     assert error < TOLERANCE[dtype], f"max row relative error {error}"
 
 
-@pytest.mark.parametrize("case", GRID, ids=grid_id)
+@pytest.mark.parametrize("case", GRID + HEAD_DIM_GRID, ids=grid_id)
 def test_decode_matches_reference(case):
     problem = testing.decode_problem(0, **problem_kwargs(case))
     # Entries past each sequence's last block point outside the pool: reading one raises.
@@ -62,7 +64,7 @@ def test_decode_matches_reference(case):
     assert not np.any(np.asarray(out[testing.DECODE_PADDING_ROW], np.float32))
 
 
-@pytest.mark.parametrize("case", GRID[:5], ids=grid_id)
+@pytest.mark.parametrize("case", GRID[:5] + HEAD_DIM_GRID[::3], ids=grid_id)
 def test_prefill_matches_reference(case):
     problem = testing.prefill_problem(0, **problem_kwargs(case))
     poisoned = testing.poison_unused_table_entries(problem)
@@ -71,6 +73,17 @@ def test_prefill_matches_reference(case):
     assert_matches(out, ref_prefill(*problem.prefill_args), case[3])
     padding_rows = np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32)
     assert not np.any(padding_rows), "padding rows must be zeros"
+
+
+@pytest.mark.parametrize("head_dim", [44, 264])
+def test_head_dims_no_kernel_takes_raise_naming_head_dim(head_dim):
+    case = ("gqa", head_dim, 16, F32, 1)
+    problem = testing.prefill_problem(0, **problem_kwargs(case))
+    with pytest.raises(ValueError, match="head_dim"):
+        pk.paged_attention_prefill_tpu(*problem.prefill_args, interpret=True)
+    problem = testing.decode_problem(0, **problem_kwargs(case))
+    with pytest.raises(ValueError, match="head_dim"):
+        pk.paged_attention_decode_tpu(*problem.decode_args, interpret=True)
 
 
 def test_prefill_one_tile_holds_many_sequences():

@@ -5,7 +5,9 @@ operands (in SMEM before the kernel starts). K/V pages stay in HBM (`pl.ANY`); t
 `pages_per_chunk` pages at a time into a double-buffered VMEM scratch (one DMA per page: a head's
 S x D tile is contiguous in the [K, N, S, D] layout) and starts the next chunk's copies before
 computing on the current one. All query heads of a GQA group share each chunk. Only blocks
-< ceil(context_len / S) are copied, and only their block-table entries are read.
+< ceil(context_len / S) are copied, and only their block-table entries are read. Any head dim
+works here (Mosaic lays the lane dimension out in 128-wide tiles itself); the wrapper admits
+multiples of 8 up to 256.
 
 Refs are sliced (`.at[...]`, `pl.ds`), never reshaped or bitcast: that breaks the TPU interpreter.
 The plain-jnp reference is `pallas_kernels.reference.paged_attention_decode`.
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _online_softmax as softmax
 from pallas_kernels._compat import dot_f32, pl, pltpu, tpu_interpret, tpu_params
-from pallas_kernels._validate import check_decode_args
+from pallas_kernels._validate import check_decode_args, check_head_dim
 from pallas_kernels.tpu import _dma
 
 
@@ -63,13 +65,15 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D] (kv-head-major pages, block 0 a never-read sink);
     block_tables: [B, M] int32 (entries past ceil(context_len/S) are not read);
     context_lens: [B] int32, including the current token; 0 marks a padding row (zeros out).
-    Returns [B, H, D] in q's dtype; softmax in float32. H must be a multiple of K.
+    Returns [B, H, D] in q's dtype; softmax in float32. H must be a multiple of K; D a multiple
+    of 8 up to 256.
 
     Static tiling: pages_per_chunk (pages per DMA chunk; None: enough for ~128 tokens).
     interpret=True runs under `pltpu.InterpretParams()` (CPU tests; raises on out-of-range reads).
     """
     check_decode_args(q, k_pages, v_pages, block_tables, context_lens)
     batch, num_heads, head_dim = q.shape
+    check_head_dim(head_dim)
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
     max_blocks = block_tables.shape[1]

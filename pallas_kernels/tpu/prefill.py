@@ -6,6 +6,7 @@ loops over the sequences owning rows of its tile and, for each, DMAs that sequen
 chunk (double-buffered, `tpu._dma`) up to the tile's last visible position. Every query head of
 the GQA group is served from each chunk; their running softmax state lives in VMEM scratch.
 Rows of other sequences are masked, so each row ends with exactly its own sequence's attention.
+Any head dim works (Mosaic tiles lanes itself); the wrapper admits multiples of 8 up to 256.
 
 Scalar prefetch (SMEM): context_lens, flattened block_tables, query_start_loc and the per-tile
 sequence range. Refs are sliced, never reshaped or bitcast (that breaks the TPU interpreter).
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from pallas_kernels import _online_softmax as softmax
 from pallas_kernels._compat import dot_f32, pl, pltpu, tpu_interpret, tpu_params
 from pallas_kernels._ragged import tile_sequences
-from pallas_kernels._validate import check_prefill_args
+from pallas_kernels._validate import check_head_dim, check_prefill_args
 from pallas_kernels.tpu import _dma
 
 
@@ -98,6 +99,7 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     context_lens: [B] int32, cached tokens of b including this chunk, so the chunk's i-th row sits at
     position context_lens[b] - q_len[b] + i and sees keys at positions <= its own. A q_len of 1 is a
     decode row; mixed batches work. Returns [T, H, D] in q's dtype; softmax in float32.
+    D: a multiple of 8 up to 256.
 
     Static tiling: block_q (query rows per program, a multiple of 8; capped at T rounded up to 8;
     q is padded to a multiple of it), pages_per_chunk (pages per DMA chunk; None: ~128 tokens).
@@ -107,6 +109,7 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     check_prefill_args(q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
+    check_head_dim(head_dim)
     if block_q % 8:
         raise ValueError(f"block_q must be a multiple of 8, got {block_q}")
     block_q = min(block_q, pl.cdiv(num_tokens, 8) * 8)
