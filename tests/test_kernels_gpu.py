@@ -38,8 +38,10 @@ GPU_GRID = [*itertools.product(HEADS, (64, 128), (16, 32, 64, 128), (BF16,)),
             *itertools.product(HEADS, (48, 80, 96, 112, 192, 256), (16, 64), (BF16, F32))]
 GRID = GPU_GRID if ON_GPU else CPU_GRID
 
-ref_decode = jax.jit(reference.paged_attention_decode)
-ref_prefill = jax.jit(reference.paged_attention_prefill)
+ref_decode = jax.jit(reference.paged_attention_decode,
+                     static_argnames=("scale", "sliding_window", "logits_soft_cap"))
+ref_prefill = jax.jit(reference.paged_attention_prefill,
+                      static_argnames=("scale", "sliding_window", "logits_soft_cap"))
 
 
 def grid_id(case):
@@ -101,9 +103,30 @@ def test_reference_prefill_hand_worked():
     np.testing.assert_allclose(out[:, 0], [[0.5, 1.0], [4 / 3, 5 / 3], [0.0, 0.0]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
-def test_reference_equals_dense_attention(num_heads, num_kv_heads):
+def test_reference_window_and_soft_cap_hand_worked():
+    """sliding_window=2 keeps the last two keys; the soft cap is undone by choosing q so that
+    1 * tanh(q . k) gives the decode case's scores again: [ln2, 0, ln2] -> keys 1, 2 weigh 1 : 2."""
+    k_pages, v_pages, block_tables = hand_worked_cache()
+    context_lens = jnp.array([3], jnp.int32)
+    q = jnp.array([[[np.arctanh(np.log(2.0)), 0.0]]], jnp.float32)
+    capped = ref_decode(q, k_pages, v_pages, block_tables, context_lens, scale=1.0,
+                        logits_soft_cap=1.0)
+    np.testing.assert_allclose(capped[0, 0], [8 / 5, 8 / 5], rtol=1e-6)
+    both = ref_decode(q, k_pages, v_pages, block_tables, context_lens, scale=1.0,
+                      sliding_window=2, logits_soft_cap=1.0)
+    np.testing.assert_allclose(both[0, 0], [2.0, 8 / 3], rtol=1e-6)   # (v1 + 2 v2) / 3
+    # Prefill, zero queries: the row at position 1 sees keys 0-1, the one at 2 keys 1-2.
+    out = ref_prefill(jnp.zeros((3, 1, 2), jnp.float32), k_pages, v_pages, block_tables,
+                      context_lens, jnp.array([0, 2], jnp.int32), sliding_window=2)
+    np.testing.assert_allclose(out[:, 0], [[0.5, 1.0], [1.5, 2.5], [0.0, 0.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,sliding_window,logits_soft_cap", [
+    (4, 4, None, None), (8, 2, None, None), (4, 1, None, None), (8, 2, 3, None), (4, 1, 4, 1.5)])
+def test_reference_equals_dense_attention(num_heads, num_kv_heads, sliding_window,
+                                          logits_soft_cap):
     block_size, head_dim, context_len, q_len = 4, 8, 11, 6
+    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     problem = make_problem(3, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            block_size=block_size, dtype=jnp.float32, context_lens=[context_len],
                            query_lens=[q_len])
@@ -111,12 +134,14 @@ def test_reference_equals_dense_attention(num_heads, num_kv_heads):
     pages = [p[:, problem.block_tables[0]].reshape(num_kv_heads, -1, head_dim)[:, :context_len]
              for p in (problem.k_pages, problem.v_pages)]
     keys, values = (jnp.swapaxes(p, 0, 1) for p in pages)
-    dense = jax.jit(reference.dense_causal_attention, static_argnames="query_offset")(
-        problem.q, keys, values, query_offset=context_len - q_len)
-    np.testing.assert_allclose(ref_prefill(*problem.prefill_args), dense, rtol=1e-5, atol=1e-6)
+    dense = jax.jit(reference.dense_causal_attention, static_argnames=(
+        "query_offset", "sliding_window", "logits_soft_cap"))(
+        problem.q, keys, values, query_offset=context_len - q_len, **options)
+    np.testing.assert_allclose(ref_prefill(*problem.prefill_args, **options), dense, rtol=1e-5,
+                               atol=1e-6)
     decode_q = problem.q[-1:]
-    np.testing.assert_allclose(ref_decode(decode_q, *problem.decode_args[1:]), dense[-1:],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ref_decode(decode_q, *problem.decode_args[1:], **options),
+                               dense[-1:], rtol=1e-5, atol=1e-6)
 
 
 # --- GPU kernels against the reference ------------------------------------------------------
