@@ -6,10 +6,11 @@ S x D tile of a block is contiguous); physical block 0 is a reserved sink that k
 
 `paged_attention_decode` / `paged_attention_prefill` dispatch on `backend`, one of `BACKENDS`;
 mapping "auto" to one of these is the engine's job. `interpret=True` runs a Pallas kernel in the
-interpreter (CPU tests); the reference ignores it.
+interpreter (CPU tests); the reference ignores it. Both take `sliding_window` and
+`logits_soft_cap` (semantics in `pallas_kernels.reference`'s docstring; None: off).
 """
 
-from pallas_kernels import reference
+from pallas_kernels import _validate, reference
 from pallas_kernels.gpu.decode import paged_attention_decode as paged_attention_decode_gpu
 from pallas_kernels.gpu.prefill import paged_attention_prefill as paged_attention_prefill_gpu
 from pallas_kernels.gpu.cache_write import rotate_and_write as rotate_and_write_gpu
@@ -37,35 +38,44 @@ def _check_backend(backend, kernel_options):
 
 
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
-                           backend="reference", interpret=False, **kernel_options):
+                           sliding_window=None, logits_soft_cap=None, backend="reference",
+                           interpret=False, **kernel_options):
     """Decode attention, one query token per sequence, on the chosen backend.
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D]; block_tables: [B, M] int32; context_lens: [B]
     int32 including the current token (0 = padding row, zeros out). Returns [B, H, D] in q's dtype.
+    sliding_window: the query sees only its last sliding_window keys (itself included);
+    logits_soft_cap: scores s -> c * tanh(s / c); None: off (see `pallas_kernels.reference`).
     kernel_options: static tiling of the chosen kernel (see its docstring).
     """
     _check_backend(backend, kernel_options)
+    _validate.check_options(sliding_window, logits_soft_cap)
+    options = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if backend == "reference":
         return reference.paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens,
-                                                scale=scale)
-    return _DECODE[backend](q, k_pages, v_pages, block_tables, context_lens, scale=scale,
+                                                **options)
+    return _DECODE[backend](q, k_pages, v_pages, block_tables, context_lens, **options,
                             interpret=interpret, **kernel_options)
 
 
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
-                            scale=None, backend="reference", interpret=False, **kernel_options):
+                            scale=None, sliding_window=None, logits_soft_cap=None,
+                            backend="reference", interpret=False, **kernel_options):
     """Ragged causal prefill/chunk attention (mixed with decode rows) on the chosen backend.
 
     q: [T, H, D]; sequence b owns rows query_start_loc[b]:query_start_loc[b+1] ([B+1] int32; rows
     past query_start_loc[B] come back as zeros); context_lens: [B] int32 including the chunk;
-    block_tables: [B, M] int32. Returns [T, H, D] in q's dtype.
+    block_tables: [B, M] int32. Returns [T, H, D] in q's dtype. sliding_window, logits_soft_cap:
+    as in `paged_attention_decode`.
     """
     _check_backend(backend, kernel_options)
+    _validate.check_options(sliding_window, logits_soft_cap)
+    options = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if backend == "reference":
         return reference.paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens,
-                                                 query_start_loc, scale=scale)
+                                                 query_start_loc, **options)
     return _PREFILL[backend](q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                             scale=scale, interpret=interpret, **kernel_options)
+                             **options, interpret=interpret, **kernel_options)
 
 
 def write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, backend="reference",

@@ -4,6 +4,9 @@ The `*_problem` functions return a reason (or None) instead of raising: the mess
 raises with.
 """
 
+import math
+import numbers
+
 import jax.numpy as jnp
 
 from pallas_kernels.reference import check_page_layout
@@ -25,6 +28,19 @@ def dtype_problem(name, dtype):
     return None
 
 
+def options_problem(sliding_window, logits_soft_cap):
+    """sliding_window: None or a positive int; logits_soft_cap: None or a positive finite float."""
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, numbers.Integral)
+                                       or sliding_window < 1):
+        return f"sliding_window must be None or a positive int, got {sliding_window!r}"
+    if logits_soft_cap is not None and (isinstance(logits_soft_cap, bool)
+                                        or not isinstance(logits_soft_cap, numbers.Real)
+                                        or not 0 < logits_soft_cap < math.inf):
+        return f"logits_soft_cap must be None or a positive number, got {logits_soft_cap!r}"
+    return None
+
+
 def raise_if(problem):
     if problem is not None:
         raise ValueError(problem)
@@ -33,6 +49,9 @@ def raise_if(problem):
 def check_head_dim(head_dim):
     raise_if(head_dim_problem(head_dim))
 
+
+def check_options(sliding_window, logits_soft_cap):
+    raise_if(options_problem(sliding_window, logits_soft_cap))
 
 
 def _check_int32(name, array, shape):

@@ -38,6 +38,25 @@ GPU_GRID = [*itertools.product(HEADS, (64, 128), (16, 32, 64, 128), (BF16,)),
             *itertools.product(HEADS, (48, 80, 96, 112, 192, 256), (16, 64), (BF16, F32))]
 GRID = GPU_GRID if ON_GPU else CPU_GRID
 
+# Sliding windows, as functions of the block size S: the query alone; not a multiple of S (and
+# equal to the S+3 prompt of prefill_problem); equal to the 2S context of decode_problem; larger
+# than every context. Each problem's lengths (1 to 3S+5) put rows on both sides of a window.
+WINDOWS = {"W1": lambda s: 1, "WS+3": lambda s: s + 3, "W2S": lambda s: 2 * s,
+           "W100S": lambda s: 100 * s, "none": lambda s: None}
+# (window, logits_soft_cap, decode kernel options, prefill kernel options); on the CPU the
+# kernels' split-K and small-tile paths each meet a window once.
+CPU_OPTIONS = [("W1", None, {}, {}),
+               ("WS+3", 2.0, {}, dict(block_q=4, tokens_per_step=16)),
+               ("W2S", None, dict(num_splits=3, tokens_per_step=16), {})]
+GPU_OPTIONS = [(window, cap, decode, prefill) for window in WINDOWS for cap in (None, 2.0, 50.0)
+               for decode, prefill in [({}, {}), (dict(num_splits=5, tokens_per_step=16),
+                                                  dict(block_q=4, tokens_per_step=16))]
+               if (window, cap) != ("none", None)]
+OPTIONS = GPU_OPTIONS if ON_GPU else CPU_OPTIONS
+# The shapes the options run on: on the CPU one that is not a power of two.
+OPTION_CASES = ([("gqa", 128, 16, BF16), ("mqa", 80, 32, F32), ("mha", 256, 64, BF16),
+                 ("gqa", 48, 128, F32)] if ON_GPU else [("gqa", 48, 16, F32)])
+
 ref_decode = jax.jit(reference.paged_attention_decode,
                      static_argnames=("scale", "sliding_window", "logits_soft_cap"))
 ref_prefill = jax.jit(reference.paged_attention_prefill,
@@ -47,6 +66,12 @@ ref_prefill = jax.jit(reference.paged_attention_prefill,
 def grid_id(case):
     heads, head_dim, block_size, dtype = case
     return f"{heads}-D{head_dim}-S{block_size}-{dtype.name}"
+
+
+def options_id(options):
+    window, cap, decode, prefill = options
+    tiling = "-".join(f"{k}{v}" for k, v in sorted({**decode, **prefill}.items()))
+    return f"{window}-cap{cap}" + (f"-{tiling}" if tiling else "")
 
 
 def problem_kwargs(case):
@@ -184,6 +209,54 @@ def test_prefill_tilings(block_q, tokens_per_step):
     assert_matches(out, ref_prefill(*problem.prefill_args), F32)
 
 
+def window_and_cap(case, options):
+    """(sliding_window for the case's block size, logits_soft_cap) of an OPTIONS entry."""
+    window, cap, _, _ = options
+    return WINDOWS[window](case[2]), cap
+
+
+def hide_old_blocks(problem, sliding_window):
+    """Blocks no window reaches point at the NaN sink: read (not skipped), they give NaN."""
+    if sliding_window is None:
+        return problem
+    return testing.poison_blocks_before_window(problem, sliding_window, 0)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=options_id)
+@pytest.mark.parametrize("case", OPTION_CASES, ids=grid_id)
+def test_decode_window_and_soft_cap_match_reference(case, options):
+    """Windows shorter than, equal to and longer than the contexts, not multiples of S, with
+    split-K cutting them; blocks before every window are never read."""
+    sliding_window, cap = window_and_cap(case, options)
+    problem = make_decode(case, seed=5)
+    attention = dict(sliding_window=sliding_window, logits_soft_cap=cap)
+    out = pk.paged_attention_decode_gpu(*hide_old_blocks(problem, sliding_window).decode_args,
+                                        **attention, interpret=INTERPRET, **options[2])
+    assert_matches(out, ref_decode(*problem.decode_args, **attention), case[3])
+    assert not np.any(np.asarray(out[testing.DECODE_PADDING_ROW], np.float32))
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=options_id)
+@pytest.mark.parametrize("case", OPTION_CASES, ids=grid_id)
+def test_prefill_window_and_soft_cap_match_reference(case, options):
+    """As for decode, over prompts, chunks after cached prefixes and decode rows."""
+    sliding_window, cap = window_and_cap(case, options)
+    problem = make_prefill(case, seed=5)
+    attention = dict(sliding_window=sliding_window, logits_soft_cap=cap)
+    out = pk.paged_attention_prefill_gpu(*hide_old_blocks(problem, sliding_window).prefill_args,
+                                         **attention, interpret=INTERPRET, **options[3])
+    assert_matches(out, ref_prefill(*problem.prefill_args, **attention), case[3])
+    assert not np.any(np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32))
+
+
+def test_hidden_old_blocks_are_noticed():
+    """The check above can fail: a kernel that reads the blocks before the window gets NaN."""
+    case = OPTION_CASES[0]
+    problem = hide_old_blocks(make_decode(case, seed=5), case[2])
+    out = pk.paged_attention_decode_gpu(*problem.decode_args, interpret=INTERPRET)
+    assert np.isnan(np.asarray(out, np.float32)).any()
+
+
 def test_prefill_decode_rows_equal_decode_kernel():
     """A batch of q_len 1 rows through the prefill kernel is a decode."""
     case = ("gqa", 64, 16, F32)
@@ -271,16 +344,19 @@ def test_kernels_lower_to_triton():
 
 def test_every_head_dim_lowers_to_triton():
     """Triton needs power-of-two tiles, which the interpreter does not check: lowering (which
-    verifies the Triton IR) does. Every kernel, at head dims that are not powers of two, one
-    Triton call each."""
+    verifies the Triton IR) does. Every kernel, at head dims that are not powers of two, with
+    and without a window and soft cap, one Triton call each."""
+    options = dict(sliding_window=19, logits_soft_cap=50.0)
     for head_dim in (8, 48, 80, 192):  # padded to 16, 64, 128, 256
         kwargs = dict(num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=BF16)
         decode_args = testing.decode_problem(0, **kwargs).decode_args
         prefill_args = testing.prefill_problem(0, **kwargs).prefill_args
         cases = [
             (functools.partial(pk.paged_attention_decode_gpu, num_splits=1), decode_args),
-            (functools.partial(pk.paged_attention_decode_gpu, num_splits=4), decode_args),
+            (functools.partial(pk.paged_attention_decode_gpu, num_splits=4, **options),
+             decode_args),
             (pk.paged_attention_prefill_gpu, prefill_args),
+            (functools.partial(pk.paged_attention_prefill_gpu, **options), prefill_args),
             (cache_write.write_to_pages, cache_write_problem(2, BF16, head_dim=head_dim)),
             (functools.partial(cache_write.rotate_and_write, num_heads=8),
              rotate_write_problem(8, 2, head_dim, BF16, 13))]
@@ -301,6 +377,22 @@ def test_head_dims_no_kernel_takes_raise_naming_head_dim(head_dim):
     for call in calls:
         with pytest.raises(ValueError, match="head_dim"):
             call()
+
+
+@pytest.mark.parametrize("options,argument", [
+    (dict(sliding_window=0), "sliding_window"), (dict(sliding_window=2.5), "sliding_window"),
+    (dict(sliding_window=True), "sliding_window"), (dict(logits_soft_cap=0.0), "logits_soft_cap"),
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap"),
+    (dict(logits_soft_cap=float("inf")), "logits_soft_cap")])
+def test_bad_attention_options_raise_naming_them(options, argument):
+    problem = make_prefill(("gqa", 64, 16, F32))
+    for backend in ("reference", "pallas_gpu"):
+        with pytest.raises(ValueError, match=argument):
+            pk.paged_attention_prefill(*problem.prefill_args, backend=backend,
+                                       interpret=INTERPRET, **options)
+    with pytest.raises(ValueError, match=argument):
+        pk.paged_attention_decode_gpu(*make_decode(("gqa", 64, 16, F32)).decode_args,
+                                      interpret=INTERPRET, **options)
 
 
 # --- cache writes -------------------------------------------------------------------------------
@@ -448,3 +540,39 @@ def test_prefill_long_chunks_with_prefix_and_decodes():
                            padding_rows=10)
     out = pk.paged_attention_prefill_gpu(*problem.prefill_args)
     assert_matches(out, ref_prefill(*problem.prefill_args), BF16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,sliding_window,logits_soft_cap", [
+    (16, 8, 256, 4096, 50.0), (32, 32, 96, None, None), (32, 8, 80, 2047, None),
+    (32, 8, 112, None, 30.0)])
+def test_decode_window_and_head_dim_shapes(num_heads, num_kv_heads, head_dim, sliding_window,
+                                           logits_soft_cap):
+    """Gemma-2-like (D=256, window 4096, soft cap 50) and head dims that are not powers of two,
+    bf16, 24 sequences up to ~6k tokens: many longer than the window."""
+    rng = np.random.default_rng(head_dim)
+    context_lens = [int(n) for n in rng.integers(1, 6000, 24)] + [0, 1]
+    problem = make_problem(8, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           block_size=16, dtype=jnp.bfloat16, context_lens=context_lens,
+                           spare_blocks=40)
+    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    hidden = hide_old_blocks(problem, sliding_window)
+    out = pk.paged_attention_decode_gpu(*hidden.decode_args, **options)
+    assert_matches(out, ref_decode(*problem.decode_args, **options), BF16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_prefill_window_long_chunk_with_prefix_and_decodes():
+    """A 512-token chunk after a 1000-token prefix (the window of 700 starts inside the prefix
+    and moves through the chunk), a 300-token prompt and 30 decode rows; D=256, soft cap 50."""
+    rng = np.random.default_rng(9)
+    query_lens = [512, 300] + [1] * 30
+    context_lens = [1512, 300] + [int(n) for n in rng.integers(1, 1500, 30)]
+    problem = make_problem(10, num_heads=16, num_kv_heads=8, head_dim=256, block_size=16,
+                           dtype=jnp.bfloat16, context_lens=context_lens, query_lens=query_lens,
+                           padding_rows=10)
+    options = dict(sliding_window=700, logits_soft_cap=50.0)
+    out = pk.paged_attention_prefill_gpu(*hide_old_blocks(problem, 700).prefill_args, **options)
+    assert_matches(out, ref_prefill(*problem.prefill_args, **options), BF16)

@@ -5,6 +5,7 @@ models SMEM/VMEM, the page DMAs and their semaphores, fills uninitialized scratc
 IndexError on any out-of-range read (a block-table entry or a page). Pages no sequence owns are NaN.
 """
 
+import functools
 import re
 import subprocess
 import sys
@@ -31,8 +32,18 @@ GRID = [("mha", 64, 16, F32, 2), ("gqa", 64, 16, BF16, 1), ("mqa", 128, 32, F32,
 # Head dims that are not powers of two (96 and the rest run in the GPU kernels' grid too).
 HEAD_DIM_GRID = [("gqa", 48, 16, F32, 2), ("mqa", 80, 32, BF16, 1), ("gqa", 112, 64, BF16, 3),
                  ("mqa", 192, 16, F32, 2)]
-ref_decode = jax.jit(reference.paged_attention_decode)
-ref_prefill = jax.jit(reference.paged_attention_prefill)
+# (sliding window as a function of the block size S, logits_soft_cap, pages_per_chunk): not a
+# multiple of S (equal to prefill_problem's S+3 prompt) with soft-capping, in one-page chunks;
+# equal to decode_problem's 2S context, in chunks of several pages. Each problem's lengths (1 to
+# 3S+5) put rows on both sides of a window; blocks before every window point outside the pool.
+OPTIONS = [(lambda s: s + 3, 2.0, 1), (lambda s: 2 * s, None, 3)]
+OPTION_IDS = ["WS+3-cap2", "W2S-P3"]
+OPTION_CASE = ("gqa", 80, 16, F32, None)
+
+ref_decode = jax.jit(reference.paged_attention_decode,
+                     static_argnames=("sliding_window", "logits_soft_cap"))
+ref_prefill = jax.jit(reference.paged_attention_prefill,
+                      static_argnames=("sliding_window", "logits_soft_cap"))
 
 
 def grid_id(case):
@@ -73,6 +84,33 @@ def test_prefill_matches_reference(case):
     assert_matches(out, ref_prefill(*problem.prefill_args), case[3])
     padding_rows = np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32)
     assert not np.any(padding_rows), "padding rows must be zeros"
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_decode_window_and_soft_cap_match_reference(options):
+    window, cap, pages_per_chunk = options
+    sliding_window = window(OPTION_CASE[2])
+    problem = testing.decode_problem(5, **problem_kwargs(OPTION_CASE))
+    hidden = testing.poison_blocks_before_window(problem, sliding_window, 10 ** 6)
+    attention = dict(sliding_window=sliding_window, logits_soft_cap=cap)
+    out = pk.paged_attention_decode_tpu(*hidden.decode_args, **attention, interpret=True,
+                                        pages_per_chunk=pages_per_chunk)
+    assert_matches(out, ref_decode(*problem.decode_args, **attention), OPTION_CASE[3])
+    assert not np.any(np.asarray(out[testing.DECODE_PADDING_ROW], np.float32))
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_prefill_window_and_soft_cap_match_reference(options):
+    """Query tiles of 16 rows hold several sequences, each with its own window."""
+    window, cap, pages_per_chunk = options
+    sliding_window = window(OPTION_CASE[2])
+    problem = testing.prefill_problem(5, **problem_kwargs(OPTION_CASE))
+    hidden = testing.poison_blocks_before_window(problem, sliding_window, 10 ** 6)
+    attention = dict(sliding_window=sliding_window, logits_soft_cap=cap)
+    out = pk.paged_attention_prefill_tpu(*hidden.prefill_args, **attention, interpret=True,
+                                         block_q=16, pages_per_chunk=pages_per_chunk)
+    assert_matches(out, ref_prefill(*problem.prefill_args, **attention), OPTION_CASE[3])
+    assert not np.any(np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32))
 
 
 @pytest.mark.parametrize("head_dim", [44, 264])
@@ -165,7 +203,12 @@ def test_kernels_lower_to_mosaic_tpu(dtype):
     kwargs = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype)
     decode = testing.decode_problem(0, **kwargs)
     prefill = testing.prefill_problem(0, **kwargs)
+    options = dict(sliding_window=100, logits_soft_cap=50.0)
     for fn, args in [(pk.paged_attention_decode_tpu, decode.decode_args),
-                     (pk.paged_attention_prefill_tpu, prefill.prefill_args)]:
+                     (pk.paged_attention_prefill_tpu, prefill.prefill_args),
+                     (functools.partial(pk.paged_attention_decode_tpu, **options),
+                      decode.decode_args),
+                     (functools.partial(pk.paged_attention_prefill_tpu, **options),
+                      prefill.prefill_args)]:
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
         assert "tpu_custom_call" in lowered.as_text()

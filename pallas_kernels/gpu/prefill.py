@@ -8,6 +8,8 @@ of two; the extra heads are masked), so every K/V tile is read once per group, a
 sequence's keys up to the tile's last position, `tokens_per_step` tokens per step through the block
 table, with an online softmax in float32. A cached prefix (prefix caching, chunked prefill) is
 just keys before the chunk's first position. Padding rows (past query_start_loc[B]) get zeros.
+With a sliding window of W the walk starts at the key W - 1 before the tile's first position, so
+older pages are never read; rows mask the keys that left their own window.
 
 Any head dim D that is a multiple of 8 (up to 256): tiles are D' = max(16, next power of two) wide
 (Triton needs power-of-two blocks), loads past column D are masked; D' == D adds no mask at all.
@@ -22,12 +24,13 @@ import jax.numpy as jnp
 from pallas_kernels import _online_softmax as softmax
 from pallas_kernels._compat import dot_f32, pl, plgpu, triton_params
 from pallas_kernels._ragged import sequence_tiles
-from pallas_kernels._validate import check_head_dim, check_power_of_two, check_prefill_args
+from pallas_kernels._validate import (check_head_dim, check_options, check_power_of_two,
+                                      check_prefill_args)
 
 
 def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, tiles_ref,
                     q_ref, k_pages_ref, v_pages_ref, o_ref, *, group, padded_group, block_q,
-                    padded_dim, tokens_per_step, scale):
+                    padded_dim, tokens_per_step, scale, sliding_window, logits_soft_cap):
     """One (tile, kv head) program.
 
     Refs: context_lens [B], block_tables [B, M], query_start_loc [B+1], tiles [3, num_tiles]
@@ -59,9 +62,13 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
     position = first_position + token - q_begin                             # [R]
     is_padding = tiles_ref[0, tile] < 0
     kv_end = jnp.where(is_padding, 0, first_position + end_row - q_begin)  # last row's keys
+    if sliding_window is not None:  # the first row's window starts the walk
+        kv_begin = jnp.maximum(first_position + first_row - q_begin - sliding_window + 1, 0)
 
     def step(i, state):
         key = i * tokens_per_step + jnp.arange(tokens_per_step)           # [C] positions
+        if sliding_window is not None:
+            key += kv_begin
         is_cached = key < kv_end
         page = plgpu.load(block_tables_ref.at[seq, key // block_size], mask=is_cached, other=0)
         index = (page[:, None], (key % block_size)[:, None], dims[None, :])
@@ -72,10 +79,14 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
         keys = plgpu.load(k_pages_ref.at[index], mask=kv_mask, other=0)   # [C, D']
         values = plgpu.load(v_pages_ref.at[index], mask=kv_mask, other=0)
         scores = dot_f32(q, keys, transpose_b=True) * scale                # [R, C]
+        scores = softmax.soft_cap(scores, logits_soft_cap)
         visible = is_cached[None, :] & (key[None, :] <= position[:, None])
+        if sliding_window is not None:
+            visible &= key[None, :] > position[:, None] - sliding_window
         return softmax.update(state, scores, values, visible)
 
-    num_steps = pl.cdiv(jnp.maximum(kv_end, 0), tokens_per_step)
+    num_keys = kv_end if sliding_window is None else kv_end - kv_begin
+    num_steps = pl.cdiv(jnp.maximum(num_keys, 0), tokens_per_step)
     state = jax.lax.fori_loop(0, num_steps, step,
                               softmax.initial_state(r.shape[0], padded_dim))
     out = softmax.finalize(state).astype(o_ref.dtype)  # padding tiles saw no keys: zeros
@@ -83,10 +94,12 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "interpret", "block_q", "tokens_per_step", "num_warps", "num_stages"))
+    "scale", "sliding_window", "logits_soft_cap", "interpret", "block_q", "tokens_per_step",
+    "num_warps", "num_stages"))
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
-                            scale=None, interpret=False, block_q=None, tokens_per_step=None,
-                            num_warps=4, num_stages=2):
+                            scale=None, sliding_window=None, logits_soft_cap=None,
+                            interpret=False, block_q=None, tokens_per_step=None, num_warps=4,
+                            num_stages=2):
     """Ragged causal prefill/chunk attention on a GPU (Pallas Triton); same contract as the reference.
 
     q: [T, H, D], all sequences' query rows back to back; sequence b owns rows
@@ -96,7 +109,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     context_lens: [B] int32, cached tokens of b including this chunk, so the chunk's i-th row sits at
     position context_lens[b] - q_len[b] + i and sees keys at positions <= its own. A q_len of 1 is a
     decode row; mixed batches work. Returns [T, H, D] in q's dtype; softmax in float32.
-    D: a multiple of 8 up to 256.
+    D: a multiple of 8 up to 256. sliding_window, logits_soft_cap: see `pallas_kernels.reference`
+    (None: off, and the kernel is the one without them).
 
     Static tiling: block_q (query tokens per tile, power of two; a program's matrix has
     block_q * G' >= 16 rows, G' = G rounded up to a power of two; None: 64 rows), tokens_per_step
@@ -109,6 +123,7 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     check_head_dim(head_dim)
+    check_options(sliding_window, logits_soft_cap)
     check_power_of_two("block size (k_pages.shape[2])", block_size, 1)
     padded_dim = max(16, pl.next_power_of_2(head_dim))  # Triton: power-of-two tiles, dots >= 16
     group = num_heads // num_kv_heads
@@ -123,7 +138,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     tiles = sequence_tiles(query_start_loc, num_tokens, block_q)
     kernel = functools.partial(_prefill_kernel, group=group, padded_group=padded_group,
                                block_q=block_q, padded_dim=padded_dim,
-                               tokens_per_step=tokens_per_step, scale=scale)
+                               tokens_per_step=tokens_per_step, scale=scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel,
