@@ -5,10 +5,13 @@ by every function here: `k_pages, v_pages: [K, N, S, D]` per layer (kv-head-majo
 S x D tile of a block is contiguous); physical block 0 is a reserved sink that kernels never read.
 
 `paged_attention_decode` / `paged_attention_prefill` dispatch on `backend`, one of `BACKENDS`;
-mapping "auto" to one of these is the engine's job. `interpret=True` runs a Pallas kernel in the
-interpreter (CPU tests); the reference ignores it. Both take `sliding_window` and
-`logits_soft_cap` (semantics in `pallas_kernels.reference`'s docstring; None: off).
+mapping "auto" to one of these is the engine's job, with `unsupported_reason` saying which
+backends can run a model. `interpret=True` runs a Pallas kernel in the interpreter (CPU tests);
+the reference ignores it. Both take `sliding_window` and `logits_soft_cap` (semantics in
+`pallas_kernels.reference`'s docstring; None: off).
 """
+
+import jax.numpy as jnp
 
 from pallas_kernels import _validate, reference
 from pallas_kernels.gpu.decode import paged_attention_decode as paged_attention_decode_gpu
@@ -27,7 +30,8 @@ _PREFILL = {"pallas_gpu": paged_attention_prefill_gpu, "pallas_tpu": paged_atten
 __all__ = ["BACKENDS", "check_page_layout", "dense_causal_attention", "paged_attention_decode",
            "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
            "paged_attention_prefill_gpu", "paged_attention_prefill_tpu", "reference",
-           "rotate_and_write", "rotate_and_write_gpu", "write_to_pages", "write_to_pages_gpu"]
+           "rotate_and_write", "rotate_and_write_gpu", "unsupported_reason", "write_to_pages",
+           "write_to_pages_gpu"]
 
 
 def _check_backend(backend, kernel_options):
@@ -35,6 +39,29 @@ def _check_backend(backend, kernel_options):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference" and kernel_options:
         raise ValueError(f"kernel options {sorted(kernel_options)} do not apply to the reference")
+
+
+def unsupported_reason(backend, *, head_dim, dtype=None, kv_cache_dtype=None, block_size=None,
+                       sliding_window=None, logits_soft_cap=None):
+    """None if `backend`'s kernels can run a model with these properties, else a short reason.
+
+    The reasons are the messages the kernels' own argument checks raise. dtype: the queries' (the
+    model's compute dtype); kv_cache_dtype: the pages' (None: the same); block_size: tokens per
+    KV block; None skips a check. The reference runs anything valid.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    problems = [_validate.options_problem(sliding_window, logits_soft_cap)]
+    if backend != "reference":
+        problems.append(_validate.head_dim_problem(head_dim))
+        if dtype is not None:
+            problems.append(_validate.dtype_problem("dtype", dtype))
+            if kv_cache_dtype is not None and jnp.dtype(kv_cache_dtype) != jnp.dtype(dtype):
+                problems.append(f"kv_cache_dtype {jnp.dtype(kv_cache_dtype)} != dtype "
+                                f"{jnp.dtype(dtype)}: the kernels read pages in the queries' dtype")
+    if backend == "pallas_gpu" and block_size is not None:
+        problems.append(_validate.power_of_two_problem("block_size", block_size, 1))
+    return next((problem for problem in problems if problem is not None), None)
 
 
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,

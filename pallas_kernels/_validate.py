@@ -1,7 +1,7 @@
 """Argument checks shared by the public kernel wrappers: each failure is a ValueError naming the argument.
 
-The `*_problem` functions return a reason (or None) instead of raising: the message a wrapper
-raises with.
+The `*_problem` functions return a reason (or None) instead of raising, so that
+`pallas_kernels.unsupported_reason` answers with the very checks the wrappers make.
 """
 
 import math

@@ -366,7 +366,9 @@ def test_every_head_dim_lowers_to_triton():
 
 @pytest.mark.parametrize("head_dim", [44, 264])
 def test_head_dims_no_kernel_takes_raise_naming_head_dim(head_dim):
-    """Multiples of 8 up to 256 only."""
+    """Multiples of 8 up to 256 only; the message is unsupported_reason's."""
+    reason = pk.unsupported_reason("pallas_gpu", head_dim=head_dim)
+    assert "head_dim" in reason
     case = ("gqa", head_dim, 16, F32)
     decode, prefill = make_decode(case), make_prefill(case)
     calls = [lambda: pk.paged_attention_decode_gpu(*decode.decode_args),
@@ -375,8 +377,9 @@ def test_head_dims_no_kernel_takes_raise_naming_head_dim(head_dim):
              lambda: cache_write.rotate_and_write(*rotate_write_problem(4, 2, head_dim, F32, 4),
                                                   num_heads=4)]
     for call in calls:
-        with pytest.raises(ValueError, match="head_dim"):
+        with pytest.raises(ValueError, match="head_dim") as error:
             call()
+        assert str(error.value) == reason
 
 
 @pytest.mark.parametrize("options,argument", [
@@ -393,6 +396,25 @@ def test_bad_attention_options_raise_naming_them(options, argument):
     with pytest.raises(ValueError, match=argument):
         pk.paged_attention_decode_gpu(*make_decode(("gqa", 64, 16, F32)).decode_args,
                                       interpret=INTERPRET, **options)
+
+
+def test_unsupported_reason():
+    """None where a backend runs the model, else the reason its kernels would raise with."""
+    assert pk.unsupported_reason("reference", head_dim=44, dtype=jnp.int8) is None
+    for backend in ("pallas_gpu", "pallas_tpu"):
+        for head_dim in (8, 48, 80, 96, 112, 128, 192, 256):
+            assert pk.unsupported_reason(backend, head_dim=head_dim, dtype=BF16, block_size=16,
+                                         sliding_window=4096, logits_soft_cap=50.0) is None
+        assert "head_dim" in pk.unsupported_reason(backend, head_dim=76)
+        assert "head_dim" in pk.unsupported_reason(backend, head_dim=512)
+        assert "dtype" in pk.unsupported_reason(backend, head_dim=64, dtype=jnp.int8)
+        assert "kv_cache_dtype" in pk.unsupported_reason(backend, head_dim=64, dtype=BF16,
+                                                         kv_cache_dtype=F32)
+        assert "sliding_window" in pk.unsupported_reason(backend, head_dim=64, sliding_window=0)
+    assert "block_size" in pk.unsupported_reason("pallas_gpu", head_dim=64, block_size=24)
+    assert pk.unsupported_reason("pallas_tpu", head_dim=64, block_size=24) is None
+    with pytest.raises(ValueError, match="backend"):
+        pk.unsupported_reason("auto", head_dim=64)
 
 
 # --- cache writes -------------------------------------------------------------------------------
