@@ -5,11 +5,15 @@ by every function here: `k_pages, v_pages: [K, N, S, D]` per layer (kv-head-majo
 S x D tile of a block is contiguous); physical block 0 is a reserved sink that kernels never read.
 
 `paged_attention_decode` / `paged_attention_prefill` dispatch on `backend`, one of `BACKENDS`;
-mapping "auto" to one of these is the engine's job. `interpret=True` runs a Pallas kernel in the
-interpreter (CPU tests); the reference ignores it.
+mapping "auto" to one of these is the engine's job, with `unsupported_reason` saying which
+backends can run a model. `interpret=True` runs a Pallas kernel in the interpreter (CPU tests);
+the reference ignores it. Both take `sliding_window` and `logits_soft_cap` (semantics in
+`pallas_kernels.reference`'s docstring; None: off).
 """
 
-from pallas_kernels import reference
+import jax.numpy as jnp
+
+from pallas_kernels import _validate, reference
 from pallas_kernels.gpu.decode import paged_attention_decode as paged_attention_decode_gpu
 from pallas_kernels.gpu.prefill import paged_attention_prefill as paged_attention_prefill_gpu
 from pallas_kernels.gpu.cache_write import rotate_and_write as rotate_and_write_gpu
@@ -26,7 +30,8 @@ _PREFILL = {"pallas_gpu": paged_attention_prefill_gpu, "pallas_tpu": paged_atten
 __all__ = ["BACKENDS", "check_page_layout", "dense_causal_attention", "paged_attention_decode",
            "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
            "paged_attention_prefill_gpu", "paged_attention_prefill_tpu", "reference",
-           "rotate_and_write", "rotate_and_write_gpu", "write_to_pages", "write_to_pages_gpu"]
+           "rotate_and_write", "rotate_and_write_gpu", "unsupported_reason", "write_to_pages",
+           "write_to_pages_gpu"]
 
 
 def _check_backend(backend, kernel_options):
@@ -36,36 +41,68 @@ def _check_backend(backend, kernel_options):
         raise ValueError(f"kernel options {sorted(kernel_options)} do not apply to the reference")
 
 
+def unsupported_reason(backend, *, head_dim, dtype=None, kv_cache_dtype=None, block_size=None,
+                       sliding_window=None, logits_soft_cap=None):
+    """None if `backend`'s kernels can run a model with these properties, else a short reason.
+
+    The reasons are the messages the kernels' own argument checks raise. dtype: the queries' (the
+    model's compute dtype); kv_cache_dtype: the pages' (None: the same); block_size: tokens per
+    KV block; None skips a check. The reference runs anything valid.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    problems = [_validate.options_problem(sliding_window, logits_soft_cap)]
+    if backend != "reference":
+        problems.append(_validate.head_dim_problem(head_dim))
+        if dtype is not None:
+            problems.append(_validate.dtype_problem("dtype", dtype))
+            if kv_cache_dtype is not None and jnp.dtype(kv_cache_dtype) != jnp.dtype(dtype):
+                problems.append(f"kv_cache_dtype {jnp.dtype(kv_cache_dtype)} != dtype "
+                                f"{jnp.dtype(dtype)}: the kernels read pages in the queries' dtype")
+    if backend == "pallas_gpu" and block_size is not None:
+        problems.append(_validate.power_of_two_problem("block_size", block_size, 1))
+    return next((problem for problem in problems if problem is not None), None)
+
+
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
-                           backend="reference", interpret=False, **kernel_options):
+                           sliding_window=None, logits_soft_cap=None, backend="reference",
+                           interpret=False, **kernel_options):
     """Decode attention, one query token per sequence, on the chosen backend.
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D]; block_tables: [B, M] int32; context_lens: [B]
     int32 including the current token (0 = padding row, zeros out). Returns [B, H, D] in q's dtype.
+    sliding_window: the query sees only its last sliding_window keys (itself included);
+    logits_soft_cap: scores s -> c * tanh(s / c); None: off (see `pallas_kernels.reference`).
     kernel_options: static tiling of the chosen kernel (see its docstring).
     """
     _check_backend(backend, kernel_options)
+    _validate.check_options(sliding_window, logits_soft_cap)
+    options = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if backend == "reference":
         return reference.paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens,
-                                                scale=scale)
-    return _DECODE[backend](q, k_pages, v_pages, block_tables, context_lens, scale=scale,
+                                                **options)
+    return _DECODE[backend](q, k_pages, v_pages, block_tables, context_lens, **options,
                             interpret=interpret, **kernel_options)
 
 
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
-                            scale=None, backend="reference", interpret=False, **kernel_options):
+                            scale=None, sliding_window=None, logits_soft_cap=None,
+                            backend="reference", interpret=False, **kernel_options):
     """Ragged causal prefill/chunk attention (mixed with decode rows) on the chosen backend.
 
     q: [T, H, D]; sequence b owns rows query_start_loc[b]:query_start_loc[b+1] ([B+1] int32; rows
     past query_start_loc[B] come back as zeros); context_lens: [B] int32 including the chunk;
-    block_tables: [B, M] int32. Returns [T, H, D] in q's dtype.
+    block_tables: [B, M] int32. Returns [T, H, D] in q's dtype. sliding_window, logits_soft_cap:
+    as in `paged_attention_decode`.
     """
     _check_backend(backend, kernel_options)
+    _validate.check_options(sliding_window, logits_soft_cap)
+    options = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if backend == "reference":
         return reference.paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens,
-                                                 query_start_loc, scale=scale)
+                                                 query_start_loc, **options)
     return _PREFILL[backend](q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                             scale=scale, interpret=interpret, **kernel_options)
+                             **options, interpret=interpret, **kernel_options)
 
 
 def write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, backend="reference",

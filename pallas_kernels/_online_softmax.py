@@ -18,6 +18,13 @@ def initial_state(num_rows, head_dim):
             jnp.zeros((num_rows, head_dim), jnp.float32))
 
 
+def soft_cap(scores, logits_soft_cap):
+    """cap * tanh(scores / cap), Gemma 2's logit soft-capping; None: scores unchanged, no op."""
+    if logits_soft_cap is None:
+        return scores
+    return logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+
+
 def update(state, scores, values, is_visible):
     """Fold one tile of keys into the state.
 

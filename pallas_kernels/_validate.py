@@ -1,10 +1,57 @@
-"""Argument checks shared by the public kernel wrappers: each failure is a ValueError naming the argument."""
+"""Argument checks shared by the public kernel wrappers: each failure is a ValueError naming the argument.
+
+The `*_problem` functions return a reason (or None) instead of raising, so that
+`pallas_kernels.unsupported_reason` answers with the very checks the wrappers make.
+"""
+
+import math
+import numbers
 
 import jax.numpy as jnp
 
 from pallas_kernels.reference import check_page_layout
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 256  # the largest head dim tested (Gemma); larger K/V tiles would need re-tiling
+
+
+def head_dim_problem(head_dim):
+    """The Pallas kernels take any multiple of 8 up to MAX_HEAD_DIM (tiles are padded inside)."""
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim}"
+    return None
+
+
+def dtype_problem(name, dtype):
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"{name} {jnp.dtype(dtype)} not in {[str(d) for d in SUPPORTED_DTYPES]}"
+    return None
+
+
+def options_problem(sliding_window, logits_soft_cap):
+    """sliding_window: None or a positive int; logits_soft_cap: None or a positive finite float."""
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, numbers.Integral)
+                                       or sliding_window < 1):
+        return f"sliding_window must be None or a positive int, got {sliding_window!r}"
+    if logits_soft_cap is not None and (isinstance(logits_soft_cap, bool)
+                                        or not isinstance(logits_soft_cap, numbers.Real)
+                                        or not 0 < logits_soft_cap < math.inf):
+        return f"logits_soft_cap must be None or a positive number, got {logits_soft_cap!r}"
+    return None
+
+
+def raise_if(problem):
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def check_head_dim(head_dim):
+    raise_if(head_dim_problem(head_dim))
+
+
+def check_options(sliding_window, logits_soft_cap):
+    raise_if(options_problem(sliding_window, logits_soft_cap))
 
 
 def _check_int32(name, array, shape):
@@ -19,8 +66,7 @@ def _check_heads_and_pages(q, k_pages, v_pages):
     num_heads, num_kv_heads = q.shape[1], k_pages.shape[0]
     if num_heads % num_kv_heads:
         raise ValueError(f"q has {num_heads} heads, not a multiple of k_pages' {num_kv_heads} kv heads")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype {q.dtype} not in {[str(d) for d in SUPPORTED_DTYPES]}")
+    raise_if(dtype_problem("q dtype", q.dtype))
     if k_pages.dtype != q.dtype:
         raise ValueError(f"k_pages dtype {k_pages.dtype} != q dtype {q.dtype}")
 
@@ -49,7 +95,12 @@ def check_prefill_args(q, k_pages, v_pages, block_tables, context_lens, query_st
     _check_int32("query_start_loc", query_start_loc, (batch + 1,))
 
 
+def power_of_two_problem(name, value, minimum):
+    if value < minimum or value & (value - 1):
+        return f"{name} must be a power of two >= {minimum}, got {value}"
+    return None
+
+
 def check_power_of_two(name, value, minimum):
     """Triton tiles need power-of-two sizes; dots need at least 16 along each side."""
-    if value < minimum or value & (value - 1):
-        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
+    raise_if(power_of_two_problem(name, value, minimum))

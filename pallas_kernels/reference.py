@@ -8,6 +8,13 @@ Page layout (owned by `jpaged.kv_cache`, asserted here): one array per layer for
 values, `k_pages: [K, N, S, D]`, so the S x D tile of one kv head in one block is contiguous.
 Block-table entries past a sequence's last block are never read by the kernels; the reference reads
 them and masks the result, so it is NaN-safe (masked values are zeroed, not just their weights).
+
+Two options shared by every attention function here and every kernel (None = off):
+- `sliding_window=W`: a query at position p sees keys at positions k with p - W < k <= p, so exactly
+  W keys counting its own. This is transformers' `sliding_window_overlay` (masking_utils.py,
+  `kv_idx > q_idx - sliding_window`, checked in transformers 5.24) combined with the causal mask.
+- `logits_soft_cap=c`: each scaled score s becomes c * tanh(s / c) before masking and softmax, as
+  Gemma 2's `eager_attention_forward` does (`attn_logit_softcapping`).
 """
 
 import jax
@@ -40,8 +47,9 @@ def _gather_sequences(pages, block_tables):
     return jnp.swapaxes(gathered, 0, 1)
 
 
-def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None):
-    """One query token per sequence attends to its whole cached context.
+def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
+                           sliding_window=None, logits_soft_cap=None):
+    """One query token per sequence attends to its cached context (or its last sliding_window keys).
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D]; block_tables: [B, M] int32;
     context_lens: [B] int32 (tokens in the cache, including the current one; 0 = padding row,
@@ -51,12 +59,12 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     positions = context_lens - 1
     seq_of_token = jnp.arange(batch, dtype=jnp.int32)
     out = _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token,
-                         positions, scale)
+                         positions, scale, sliding_window, logits_soft_cap)
     return jnp.where((context_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                            *, scale=None):
+                            *, scale=None, sliding_window=None, logits_soft_cap=None):
     """A ragged batch of query chunks attends causally to the paged cache.
 
     q: [T, H, D], the queries of all sequences back to back; sequence b owns rows
@@ -77,12 +85,12 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     offset_in_chunk = token_idx - query_start_loc[seq_of_token]
     positions = context_lens[seq_of_token] - q_lens[seq_of_token] + offset_in_chunk
     out = _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token,
-                         positions, scale)
+                         positions, scale, sliding_window, logits_soft_cap)
     return jnp.where(is_real[:, None, None], out, 0).astype(q.dtype)
 
 
 def _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token, positions,
-                   scale):
+                   scale, sliding_window, logits_soft_cap):
     """Per-token attention: q [T, H, D]; token t belongs to seq_of_token[t] at positions[t]."""
     check_page_layout(k_pages, v_pages, head_dim=q.shape[-1])
     num_tokens, num_heads, head_dim = q.shape
@@ -98,11 +106,15 @@ def _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token
     # visible[t, c]: key c is cached for t's sequence and not in t's future.
     visible = (key_pos[None] < context_lens[seq_of_token][:, None]) & (
         key_pos[None] <= positions[:, None])
+    if sliding_window is not None:
+        visible &= key_pos[None] > positions[:, None] - sliding_window
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     k_tok = keys[seq_of_token].astype(jnp.float32)     # [T, K, C, D]
     v_tok = values[seq_of_token].astype(jnp.float32)
     v_tok = jnp.where(visible[:, None, :, None], v_tok, 0.0)
     scores = jnp.einsum("tkgd,tkcd->tkgc", qg, k_tok, precision=_EXACT) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -162,7 +174,8 @@ def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads
     return q, k_pages, v_pages
 
 
-def dense_causal_attention(q, k, v, *, scale=None, query_offset=0):
+def dense_causal_attention(q, k, v, *, scale=None, query_offset=0, sliding_window=None,
+                           logits_soft_cap=None):
     """Unpaged oracle for the oracle: q [Q, H, D], k/v [C, K, D]; query i sits at query_offset + i."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -170,7 +183,12 @@ def dense_causal_attention(q, k, v, *, scale=None, query_offset=0):
     k = jnp.repeat(k, num_heads // num_kv_heads, axis=1).astype(jnp.float32)
     v = jnp.repeat(v, num_heads // num_kv_heads, axis=1).astype(jnp.float32)
     scores = jnp.einsum("qhd,chd->hqc", q.astype(jnp.float32), k, precision=_EXACT) * scale
-    mask = jnp.arange(k.shape[0])[None] <= (query_offset + jnp.arange(num_q))[:, None]
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+    key_pos, query_pos = jnp.arange(k.shape[0])[None], (query_offset + jnp.arange(num_q))[:, None]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
     scores = jnp.where(mask[None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("hqc,chd->qhd", weights, v, precision=_EXACT).astype(q.dtype)

@@ -114,6 +114,21 @@ def poison_unused_table_entries(problem, value=10 ** 6):
     return dataclasses.replace(problem, block_tables=jnp.asarray(tables))
 
 
+def poison_blocks_before_window(problem, sliding_window, value):
+    """The same problem with the table entry of every block older than each sequence's windows set
+    to `value`: 0 (the NaN-filled sink) makes a read show up as NaN, a value outside the pool makes
+    the TPU interpreter raise. A block is older when all its keys precede the window of the
+    sequence's first query row (position context_len - q_len), so no row of any tile sees it and
+    a kernel that skips such blocks, rather than masking them, gives the same output."""
+    block_size = problem.k_pages.shape[2]
+    tables = np.asarray(problem.block_tables).copy()
+    q_lens = np.diff(np.asarray(problem.query_start_loc))
+    for seq, length in enumerate(np.asarray(problem.context_lens)):
+        first_key = int(length) - int(q_lens[seq]) - sliding_window + 1
+        tables[seq, :max(first_key, 0) // block_size] = value
+    return dataclasses.replace(problem, block_tables=jnp.asarray(tables))
+
+
 def max_row_error(out, ref):
     """Max over [.., H, D] rows of |out - ref| / max(|ref|, 1e-6), in float32; NaN stays NaN."""
     out = np.asarray(jnp.asarray(out, jnp.float32))

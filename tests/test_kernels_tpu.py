@@ -5,6 +5,7 @@ models SMEM/VMEM, the page DMAs and their semaphores, fills uninitialized scratc
 IndexError on any out-of-range read (a block-table entry or a page). Pages no sequence owns are NaN.
 """
 
+import functools
 import re
 import subprocess
 import sys
@@ -28,9 +29,21 @@ F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # more pages than any sequence has. Interpreting costs ~5 s per shape: keep the grid small.
 GRID = [("mha", 64, 16, F32, 2), ("gqa", 64, 16, BF16, 1), ("mqa", 128, 32, F32, 2),
         ("gqa", 128, 64, BF16, 2), ("gqa", 64, 128, F32, 1), ("gqa", 256, 16, BF16, 8)]
+# Head dims that are not powers of two (96 and the rest run in the GPU kernels' grid too).
+HEAD_DIM_GRID = [("gqa", 48, 16, F32, 2), ("mqa", 80, 32, BF16, 1), ("gqa", 112, 64, BF16, 3),
+                 ("mqa", 192, 16, F32, 2)]
+# (sliding window as a function of the block size S, logits_soft_cap, pages_per_chunk): not a
+# multiple of S (equal to prefill_problem's S+3 prompt) with soft-capping, in one-page chunks;
+# equal to decode_problem's 2S context, in chunks of several pages. Each problem's lengths (1 to
+# 3S+5) put rows on both sides of a window; blocks before every window point outside the pool.
+OPTIONS = [(lambda s: s + 3, 2.0, 1), (lambda s: 2 * s, None, 3)]
+OPTION_IDS = ["WS+3-cap2", "W2S-P3"]
+OPTION_CASE = ("gqa", 80, 16, F32, None)
 
-ref_decode = jax.jit(reference.paged_attention_decode)
-ref_prefill = jax.jit(reference.paged_attention_prefill)
+ref_decode = jax.jit(reference.paged_attention_decode,
+                     static_argnames=("sliding_window", "logits_soft_cap"))
+ref_prefill = jax.jit(reference.paged_attention_prefill,
+                      static_argnames=("sliding_window", "logits_soft_cap"))
 
 
 def grid_id(case):
@@ -51,7 +64,7 @@ def assert_matches(out, ref, dtype):
     assert error < TOLERANCE[dtype], f"max row relative error {error}"
 
 
-@pytest.mark.parametrize("case", GRID, ids=grid_id)
+@pytest.mark.parametrize("case", GRID + HEAD_DIM_GRID, ids=grid_id)
 def test_decode_matches_reference(case):
     problem = testing.decode_problem(0, **problem_kwargs(case))
     # Entries past each sequence's last block point outside the pool: reading one raises.
@@ -62,7 +75,7 @@ def test_decode_matches_reference(case):
     assert not np.any(np.asarray(out[testing.DECODE_PADDING_ROW], np.float32))
 
 
-@pytest.mark.parametrize("case", GRID[:5], ids=grid_id)
+@pytest.mark.parametrize("case", GRID[:5] + HEAD_DIM_GRID[::3], ids=grid_id)
 def test_prefill_matches_reference(case):
     problem = testing.prefill_problem(0, **problem_kwargs(case))
     poisoned = testing.poison_unused_table_entries(problem)
@@ -71,6 +84,46 @@ def test_prefill_matches_reference(case):
     assert_matches(out, ref_prefill(*problem.prefill_args), case[3])
     padding_rows = np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32)
     assert not np.any(padding_rows), "padding rows must be zeros"
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_decode_window_and_soft_cap_match_reference(options):
+    window, cap, pages_per_chunk = options
+    sliding_window = window(OPTION_CASE[2])
+    problem = testing.decode_problem(5, **problem_kwargs(OPTION_CASE))
+    hidden = testing.poison_blocks_before_window(problem, sliding_window, 10 ** 6)
+    attention = dict(sliding_window=sliding_window, logits_soft_cap=cap)
+    out = pk.paged_attention_decode_tpu(*hidden.decode_args, **attention, interpret=True,
+                                        pages_per_chunk=pages_per_chunk)
+    assert_matches(out, ref_decode(*problem.decode_args, **attention), OPTION_CASE[3])
+    assert not np.any(np.asarray(out[testing.DECODE_PADDING_ROW], np.float32))
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_prefill_window_and_soft_cap_match_reference(options):
+    """Query tiles of 16 rows hold several sequences, each with its own window."""
+    window, cap, pages_per_chunk = options
+    sliding_window = window(OPTION_CASE[2])
+    problem = testing.prefill_problem(5, **problem_kwargs(OPTION_CASE))
+    hidden = testing.poison_blocks_before_window(problem, sliding_window, 10 ** 6)
+    attention = dict(sliding_window=sliding_window, logits_soft_cap=cap)
+    out = pk.paged_attention_prefill_tpu(*hidden.prefill_args, **attention, interpret=True,
+                                         block_q=16, pages_per_chunk=pages_per_chunk)
+    assert_matches(out, ref_prefill(*problem.prefill_args, **attention), OPTION_CASE[3])
+    assert not np.any(np.asarray(out[-testing.PREFILL_PADDING_ROWS:], np.float32))
+
+
+@pytest.mark.parametrize("head_dim", [44, 264])
+def test_head_dims_no_kernel_takes_raise_naming_head_dim(head_dim):
+    case = ("gqa", head_dim, 16, F32, 1)
+    problem = testing.prefill_problem(0, **problem_kwargs(case))
+    reason = pk.unsupported_reason("pallas_tpu", head_dim=head_dim)
+    with pytest.raises(ValueError, match="head_dim") as error:
+        pk.paged_attention_prefill_tpu(*problem.prefill_args, interpret=True)
+    assert str(error.value) == reason
+    problem = testing.decode_problem(0, **problem_kwargs(case))
+    with pytest.raises(ValueError, match="head_dim"):
+        pk.paged_attention_decode_tpu(*problem.decode_args, interpret=True)
 
 
 def test_prefill_one_tile_holds_many_sequences():
@@ -152,7 +205,12 @@ def test_kernels_lower_to_mosaic_tpu(dtype):
     kwargs = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype)
     decode = testing.decode_problem(0, **kwargs)
     prefill = testing.prefill_problem(0, **kwargs)
+    options = dict(sliding_window=100, logits_soft_cap=50.0)
     for fn, args in [(pk.paged_attention_decode_tpu, decode.decode_args),
-                     (pk.paged_attention_prefill_tpu, prefill.prefill_args)]:
+                     (pk.paged_attention_prefill_tpu, prefill.prefill_args),
+                     (functools.partial(pk.paged_attention_decode_tpu, **options),
+                      decode.decode_args),
+                     (functools.partial(pk.paged_attention_prefill_tpu, **options),
+                      prefill.prefill_args)]:
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
         assert "tpu_custom_call" in lowered.as_text()

@@ -9,7 +9,12 @@ bumps an atomic counter for its (sequence, kv head); the program that finds it w
 the partials and writes the output, so no second launch is needed for the combine.
 
 Only blocks < ceil(context_len / S) are read: loads past the context are masked, never issued, so
-the sink block 0 and stale slots are never touched (tests fill them with NaN).
+the sink block 0 and stale slots are never touched (tests fill them with NaN). With a sliding window
+of W the splits cover only the last W keys, [context_len - W, context_len): older pages are never
+read, and the grid has only the splits W keys need (not M*S's).
+
+Any head dim D that is a multiple of 8 (up to 256): tiles are D' = max(16, next power of two) wide
+(Triton needs power-of-two blocks), loads past column D are masked; D' == D adds no mask at all.
 The plain-jnp reference is `pallas_kernels.reference.paged_attention_decode`.
 """
 
@@ -20,21 +25,24 @@ import jax.numpy as jnp
 
 from pallas_kernels import _online_softmax as softmax
 from pallas_kernels._compat import dot_f32, pl, plgpu, triton_params
-from pallas_kernels._validate import check_decode_args, check_power_of_two
+from pallas_kernels._validate import (check_decode_args, check_head_dim, check_options,
+                                      check_power_of_two)
 
 _NUM_SMS = 132  # H100/H200 SXM: the default tiling fills them with one wave of programs
 _MANY_PROGRAMS = 1024  # from here on (about 8 per SM) 3 pipeline stages beat 4 (default_tiling)
-_MIN_DOT_ROWS = 16  # Triton's dot needs >= 16 rows: a GQA group is padded (by masked loads) to this.
+_MIN_DOT_ROWS = 16  # Triton's dot needs >= 16 along each side: a GQA group and D are padded to it.
 
 
 def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
-                   group, tokens_per_step, tokens_per_split, num_splits, scale, interpret):
+                   group, padded_dim, tokens_per_step, tokens_per_split, num_splits, scale,
+                   sliding_window, logits_soft_cap, interpret):
     """One (sequence, kv head, split) program.
 
     Refs: context_lens [B]; block_tables [M] (this sequence's row); q [H, D] and out [H, D] (this
     sequence); k_pages, v_pages [N, S, D] (this kv head). With splits, also the partials of this
-    (sequence, kv head): acc [P, R, D], m/l [P, R, 1], and the counters [B * K] (aliased in/out).
-    R >= group rows: rows >= group are padding, loaded as zeros and never stored.
+    (sequence, kv head): acc [P, R, D'], m/l [P, R, 1], and the counters [B * K] (aliased in/out).
+    R >= group rows: rows >= group are padding, loaded as zeros and never stored; so are columns
+    >= D of the D' = padded_dim wide tiles.
     """
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if num_splits == 1:
@@ -46,15 +54,24 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pag
     block_size = k_pages_ref.shape[1]
     context_len = context_lens_ref[seq]
     split_start = split * tokens_per_split
+    if sliding_window is not None:  # splits start at the window's first key, not at key 0
+        first_key = jnp.maximum(context_len - sliding_window, 0)
+        split_start += first_key
     split_end = jnp.minimum(split_start + tokens_per_split, context_len)
     num_steps = pl.cdiv(jnp.maximum(split_end - split_start, 0), tokens_per_step)
 
     group_rows = lambda width: jnp.broadcast_to(  # noqa: E731 - [R, width] mask of real rows
         (jnp.arange(rows) < group)[:, None], (rows, width))
-    is_group_row = group_rows(head_dim)
-    heads = pl.ds(kv_head * group, rows)
-    q = plgpu.load(q_ref.at[heads, :], mask=is_group_row, other=0)
-    dims = jnp.arange(head_dim)
+    is_group_row = group_rows(padded_dim)
+    if padded_dim == head_dim:
+        heads = (pl.ds(kv_head * group, rows), slice(None))
+        is_io = is_group_row  # [R, D'] mask of q's and out's real entries
+    else:  # gather D' columns, the ones past D masked
+        columns = jnp.arange(padded_dim)
+        heads = ((kv_head * group + jnp.arange(rows))[:, None], columns[None, :])
+        is_io = is_group_row & (columns < head_dim)[None, :]
+    q = plgpu.load(q_ref.at[heads], mask=is_io, other=0)
+    dims = jnp.arange(padded_dim)
 
     def tokens_of(i):
         token = split_start + i * tokens_per_step + jnp.arange(tokens_per_step)  # [C] positions
@@ -69,18 +86,22 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pag
         next_page = pages_of(i + 1)  # issued now, used next step: hides the table's load latency
         token, is_cached = tokens_of(i)
         index = (page[:, None], (token % block_size)[:, None], dims[None, :])
-        kv_mask = jnp.broadcast_to(is_cached[:, None], (tokens_per_step, head_dim))
-        keys = plgpu.load(k_pages_ref.at[index], mask=kv_mask, other=0)      # [C, D]
-        values = plgpu.load(v_pages_ref.at[index], mask=kv_mask, other=0)    # [C, D]
+        if padded_dim == head_dim:
+            kv_mask = jnp.broadcast_to(is_cached[:, None], (tokens_per_step, head_dim))
+        else:
+            kv_mask = is_cached[:, None] & (dims < head_dim)[None, :]
+        keys = plgpu.load(k_pages_ref.at[index], mask=kv_mask, other=0)      # [C, D']
+        values = plgpu.load(v_pages_ref.at[index], mask=kv_mask, other=0)    # [C, D']
         scores = dot_f32(q, keys, transpose_b=True) * scale                  # [R, C]
+        scores = softmax.soft_cap(scores, logits_soft_cap)
         visible = jnp.broadcast_to(is_cached[None, :], scores.shape)
         return softmax.update(state, scores, values, visible), next_page
 
     state, _ = jax.lax.fori_loop(0, num_steps, step,
-                                 (softmax.initial_state(rows, head_dim), pages_of(0)))
+                                 (softmax.initial_state(rows, padded_dim), pages_of(0)))
     if num_splits == 1:
-        plgpu.store(out_ref.at[heads, :], softmax.finalize(state).astype(out_ref.dtype),
-                    mask=is_group_row)
+        plgpu.store(out_ref.at[heads], softmax.finalize(state).astype(out_ref.dtype),
+                    mask=is_io)
         return
 
     m, l_sum, acc = state
@@ -99,10 +120,11 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pag
                             for ref in (m_ref, l_ref, acc_ref))
             return softmax.merge(state, partial)
 
-        used_splits = pl.cdiv(context_len, tokens_per_split)
-        merged = jax.lax.fori_loop(0, used_splits, merge, softmax.initial_state(rows, head_dim))
-        plgpu.store(out_ref.at[heads, :], softmax.finalize(merged).astype(out_ref.dtype),
-                    mask=is_group_row)
+        used_keys = context_len if sliding_window is None else context_len - first_key
+        used_splits = pl.cdiv(used_keys, tokens_per_split)
+        merged = jax.lax.fori_loop(0, used_splits, merge, softmax.initial_state(rows, padded_dim))
+        plgpu.store(out_ref.at[heads], softmax.finalize(merged).astype(out_ref.dtype),
+                    mask=is_io)
 
 
 
@@ -115,7 +137,8 @@ def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
       3; B = 128 at 960: 126.6 / 124.2 us; 256 at 2048: 492 / 489; 512 at 192: 111.8 / 102.9).
     - fewer: one wave of split programs (SMs // (batch * kv heads) splits, each of >= 4 steps),
       32 KiB per step (128 tokens), 3 stages (K and V tiles of 3 stages just fit one SM).
-    `max_context` is M*S (the table width), a static bound.
+    `max_context` is the most keys one sequence reads (M*S, the table width, or a sliding window
+    if smaller), a static bound; head_dim is the padded tile width D'.
     """
     step_tokens = max(16, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
     programs = batch * num_kv_heads
@@ -129,28 +152,36 @@ def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "interpret", "num_splits", "tokens_per_step", "num_warps", "num_stages"))
+    "scale", "sliding_window", "logits_soft_cap", "interpret", "num_splits", "tokens_per_step",
+    "num_warps", "num_stages"))
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
-                           interpret=False, num_splits=None, tokens_per_step=None,
-                           num_warps=4, num_stages=None):
+                           sliding_window=None, logits_soft_cap=None, interpret=False,
+                           num_splits=None, tokens_per_step=None, num_warps=4, num_stages=None):
     """Paged decode attention on a GPU (Pallas Triton); same contract as the reference.
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D] (kv-head-major pages, block 0 a never-read sink);
     block_tables: [B, M] int32 (entries past ceil(context_len/S) are not read);
     context_lens: [B] int32, including the current token; 0 marks a padding row (zeros out).
-    Returns [B, H, D] in q's dtype; softmax in float32. H must be a multiple of K (MHA/GQA/MQA).
+    Returns [B, H, D] in q's dtype; softmax in float32. H must be a multiple of K (MHA/GQA/MQA);
+    D a multiple of 8 up to 256. sliding_window, logits_soft_cap: see `pallas_kernels.reference`
+    (None: off, and the kernel is the one without them).
 
     Static tiling: tokens_per_step (power of two >= 16, tokens per inner step, may span pages),
-    num_splits (split-K partitions of the M*S context), num_warps/num_stages (Triton); None picks
-    `default_tiling`. interpret=True runs the kernel in the Pallas interpreter (CPU tests).
+    num_splits (split-K partitions of the M*S context, or of the window), num_warps/num_stages
+    (Triton); None picks `default_tiling`. interpret=True runs the kernel in the Pallas
+    interpreter (CPU tests).
     """
     check_decode_args(q, k_pages, v_pages, block_tables, context_lens)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
-    check_power_of_two("head dim", head_dim, 16)
+    check_head_dim(head_dim)
+    check_options(sliding_window, logits_soft_cap)
     check_power_of_two("block size (k_pages.shape[2])", block_size, 1)
+    padded_dim = max(_MIN_DOT_ROWS, pl.next_power_of_2(head_dim))
     max_context = block_tables.shape[1] * block_size
-    default = default_tiling(batch, num_kv_heads, max_context, head_dim, q.dtype)
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window)
+    default = default_tiling(batch, num_kv_heads, max_context, padded_dim, q.dtype)
     tokens_per_step = tokens_per_step or default["tokens_per_step"]
     check_power_of_two("tokens_per_step", tokens_per_step, 16)
     num_splits = num_splits or default["num_splits"]
@@ -160,9 +191,10 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     group = num_heads // num_kv_heads
     rows = max(_MIN_DOT_ROWS, pl.next_power_of_2(group))
     kernel = functools.partial(
-        _decode_kernel, group=group, tokens_per_step=tokens_per_step,
+        _decode_kernel, group=group, padded_dim=padded_dim, tokens_per_step=tokens_per_step,
         tokens_per_split=tokens_per_split, num_splits=num_splits,
-        scale=head_dim ** -0.5 if scale is None else scale, interpret=interpret)
+        scale=head_dim ** -0.5 if scale is None else scale, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, interpret=interpret)
     grid = (batch, num_kv_heads, num_splits)
     per_sequence = lambda b, h, s: (b, 0, 0)  # noqa: E731
     in_specs = [
@@ -182,9 +214,9 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
             (None, None, num_splits, rows, width), lambda b, h, s: (b, h, 0, 0, 0))
         counter_spec = pl.BlockSpec(counters.shape, lambda b, h, s: (0,))
         in_specs.append(counter_spec)
-        out_specs += [partial(head_dim), partial(1), partial(1), counter_spec]
+        out_specs += [partial(padded_dim), partial(1), partial(1), counter_spec]
         partial_shape = (batch, num_kv_heads, num_splits, rows)
-        out_shape += [jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+        out_shape += [jax.ShapeDtypeStruct((*partial_shape, padded_dim), jnp.float32),
                       jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
                       jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
                       jax.ShapeDtypeStruct(counters.shape, jnp.int32)]

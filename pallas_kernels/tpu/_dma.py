@@ -1,9 +1,10 @@
 """Double-buffered DMA of K/V pages from HBM into VMEM, shared by the TPU decode and prefill kernels.
 
-A chunk is `pages_per_chunk` consecutive logical blocks of one sequence; page p of a chunk lands in
-rows [p*S, (p+1)*S) of a [C, D] VMEM buffer slot (C = pages_per_chunk * S). Pages at or past
-`num_pages` are neither copied nor looked up in the block table, so their buffer rows keep stale
-data (NaN in the interpreter): callers mask scores and zero values past the context.
+A chunk is `pages_per_chunk` consecutive logical blocks of one sequence, counted from `first_page`
+(0, or the first block a sliding window needs: earlier blocks are never copied); page p of a
+chunk lands in rows [p*S, (p+1)*S) of a [C, D] VMEM buffer slot (C = pages_per_chunk * S). Pages
+at or past `num_pages` are neither copied nor looked up in the block table, so their buffer rows
+keep stale data (NaN in the interpreter): callers mask scores and zero values past the context.
 """
 
 import jax
@@ -24,11 +25,12 @@ class ChunkFetcher:
     """Starts and waits for the page copies of one chunk into one buffer slot.
 
     k_pages, v_pages: [N, S, D] HBM refs of one kv head; block_tables: flat SMEM ref read at
-    table_offset + logical block; num_pages: blocks of this sequence that may be read.
+    table_offset + logical block; num_pages: blocks of this sequence that may be read; chunk 0
+    starts at logical block first_page (None: block 0, with no offset computed).
     """
 
     def __init__(self, k_pages, v_pages, k_buffer, v_buffer, k_sems, v_sems, block_tables, *,
-                 table_offset, pages_per_chunk, num_pages):
+                 table_offset, pages_per_chunk, num_pages, first_page=None):
         self._pages = (k_pages, v_pages)
         self._buffers = (k_buffer, v_buffer)
         self._sems = (k_sems, v_sems)
@@ -36,10 +38,15 @@ class ChunkFetcher:
         self._table_offset = table_offset
         self._pages_per_chunk = pages_per_chunk
         self._num_pages = num_pages
+        self._first_page = first_page
         self._block_size = k_pages.shape[1]
 
+    def _logical_block(self, chunk, page_in_chunk):
+        block = chunk * self._pages_per_chunk + page_in_chunk
+        return block if self._first_page is None else block + self._first_page
+
     def _copies(self, chunk, slot, page_in_chunk):
-        logical_block = chunk * self._pages_per_chunk + page_in_chunk
+        logical_block = self._logical_block(chunk, page_in_chunk)
         physical_block = self._block_tables[self._table_offset + logical_block]
         rows = pl.ds(page_in_chunk * self._block_size, self._block_size)
         return [pltpu.make_async_copy(pages.at[physical_block], buffer.at[slot, rows], sems.at[slot])
@@ -47,7 +54,7 @@ class ChunkFetcher:
 
     def _for_each_valid_page(self, chunk, slot, action):
         for page_in_chunk in range(self._pages_per_chunk):
-            is_valid = chunk * self._pages_per_chunk + page_in_chunk < self._num_pages
+            is_valid = self._logical_block(chunk, page_in_chunk) < self._num_pages
 
             @pl.when(is_valid)
             def _(page_in_chunk=page_in_chunk):

@@ -6,6 +6,8 @@ loops over the sequences owning rows of its tile and, for each, DMAs that sequen
 chunk (double-buffered, `tpu._dma`) up to the tile's last visible position. Every query head of
 the GQA group is served from each chunk; their running softmax state lives in VMEM scratch.
 Rows of other sequences are masked, so each row ends with exactly its own sequence's attention.
+With a sliding window of W, a sequence's chunks start at the block holding key W - 1 before the
+tile's first own row: older blocks are never copied. Any head dim works (Mosaic tiles lanes itself).
 
 Scalar prefetch (SMEM): context_lens, flattened block_tables, query_start_loc and the per-tile
 sequence range. Refs are sliced, never reshaped or bitcast (that breaks the TPU interpreter).
@@ -20,13 +22,14 @@ import jax.numpy as jnp
 from pallas_kernels import _online_softmax as softmax
 from pallas_kernels._compat import dot_f32, pl, pltpu, tpu_interpret, tpu_params
 from pallas_kernels._ragged import tile_sequences
-from pallas_kernels._validate import check_prefill_args
+from pallas_kernels._validate import check_head_dim, check_options, check_prefill_args
 from pallas_kernels.tpu import _dma
 
 
 def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, tile_seqs_ref,
                     q_ref, k_pages_hbm, v_pages_hbm, o_ref, k_buffer, v_buffer, k_sems, v_sems,
-                    m_scratch, l_scratch, acc_scratch, *, pages_per_chunk, max_blocks, scale):
+                    m_scratch, l_scratch, acc_scratch, *, pages_per_chunk, max_blocks, scale,
+                    sliding_window, logits_soft_cap):
     """One (query tile, kv head) program.
 
     Scalar prefetch: context_lens [B], block_tables [B*M], query_start_loc [B+1], tile_seqs
@@ -51,19 +54,30 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
         position = first_position + row - q_begin                      # [R, 1]
         # Keys up to the last own row of this tile: never past the sequence's cached blocks.
         kv_end = first_position + jnp.minimum((tile + 1) * block_q, q_end) - q_begin
+        first_page, num_keys = None, kv_end  # chunk 0 starts at block 0 ...
+        if sliding_window is not None:  # ... or at the first own row's window's first block
+            first_row = jnp.maximum(tile * block_q, q_begin)
+            first_key = first_position + first_row - q_begin - sliding_window + 1
+            # lax.div, not //: see tpu/decode.py
+            first_page = jax.lax.div(jnp.maximum(first_key, 0), block_size)
+            num_keys = kv_end - first_page * block_size
         fetcher = _dma.ChunkFetcher(
             k_pages_hbm.at[kv_head], v_pages_hbm.at[kv_head], k_buffer, v_buffer, k_sems, v_sems,
             block_tables_ref, table_offset=seq * max_blocks, pages_per_chunk=pages_per_chunk,
-            num_pages=pl.cdiv(kv_end, block_size))
-        num_chunks = pl.cdiv(jnp.maximum(kv_end, 0), chunk_tokens)
+            num_pages=pl.cdiv(kv_end, block_size), first_page=first_page)
+        num_chunks = pl.cdiv(jnp.maximum(num_keys, 0), chunk_tokens)
 
         def chunk_step(chunk, keys, values, carry):
             first_token = chunk * chunk_tokens
+            if sliding_window is not None:
+                first_token += first_page * block_size
             token = first_token + jax.lax.broadcasted_iota(jnp.int32, (1, chunk_tokens), 1)
             visible = is_own_row & (token < kv_end) & (token <= position)  # [R, C]
+            if sliding_window is not None:
+                visible &= token > position - sliding_window
             values = _dma.zero_stale_rows(values, first_token, kv_end)
             for head in range(group):
-                _update_head(head, q_ref, keys, values, visible, scale,
+                _update_head(head, q_ref, keys, values, visible, scale, logits_soft_cap,
                              m_scratch, l_scratch, acc_scratch)
             return carry
 
@@ -76,9 +90,11 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
         o_ref[head] = softmax.finalize(state).astype(o_ref.dtype)
 
 
-def _update_head(head, q_ref, keys, values, visible, scale, m_scratch, l_scratch, acc_scratch):
+def _update_head(head, q_ref, keys, values, visible, scale, logits_soft_cap, m_scratch,
+                 l_scratch, acc_scratch):
     """Fold one K/V chunk into query head `head`'s softmax state held in scratch."""
     scores = dot_f32(q_ref[head], keys, transpose_b=True) * scale  # [R, C]
+    scores = softmax.soft_cap(scores, logits_soft_cap)
     state = (m_scratch[head], l_scratch[head], acc_scratch[head])
     m_new, l_new, acc_new = softmax.update(state, scores, values, visible)
     m_scratch[head] = m_new
@@ -86,9 +102,11 @@ def _update_head(head, q_ref, keys, values, visible, scale, m_scratch, l_scratch
     acc_scratch[head] = acc_new
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_chunk"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap",
+                                             "interpret", "block_q", "pages_per_chunk"))
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
-                            scale=None, interpret=False, block_q=128, pages_per_chunk=None):
+                            scale=None, sliding_window=None, logits_soft_cap=None,
+                            interpret=False, block_q=128, pages_per_chunk=None):
     """Ragged causal prefill/chunk attention on a TPU (Pallas Mosaic TPU); same contract as the reference.
 
     q: [T, H, D], all sequences' query rows back to back; sequence b owns rows
@@ -98,6 +116,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     context_lens: [B] int32, cached tokens of b including this chunk, so the chunk's i-th row sits at
     position context_lens[b] - q_len[b] + i and sees keys at positions <= its own. A q_len of 1 is a
     decode row; mixed batches work. Returns [T, H, D] in q's dtype; softmax in float32.
+    D: a multiple of 8 up to 256. sliding_window, logits_soft_cap: see `pallas_kernels.reference`
+    (None: off, and the kernel is the one without them).
 
     Static tiling: block_q (query rows per program, a multiple of 8; capped at T rounded up to 8;
     q is padded to a multiple of it), pages_per_chunk (pages per DMA chunk; None: ~128 tokens).
@@ -107,6 +127,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     check_prefill_args(q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
+    check_head_dim(head_dim)
+    check_options(sliding_window, logits_soft_cap)
     if block_q % 8:
         raise ValueError(f"block_q must be a multiple of 8, got {block_q}")
     block_q = min(block_q, pl.cdiv(num_tokens, 8) * 8)
@@ -119,7 +141,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     tile_seqs = tile_sequences(query_start_loc, padded_tokens, block_q)
     tile_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda t, h, *_: (h, 0, t, 0))
     kernel = functools.partial(_prefill_kernel, pages_per_chunk=pages_per_chunk,
-                               max_blocks=block_tables.shape[1], scale=scale)
+                               max_blocks=block_tables.shape[1], scale=scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
