@@ -146,8 +146,8 @@ def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, jax.Array]:
 
 def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> LlamaForCausalLM:
     """A model of random weights (load_format "dummy"), drawn on the device tensor by tensor:
-    matrices normal with std DUMMY_STDDEV (the model's own init scale), norm weights one, biases
-    zero.
+    matrices normal with std DUMMY_STDDEV (the model's own init scale), norms the identity
+    (weights one; zero for Gemma's (1 + weight) norms), biases zero.
 
     A tensor's values depend only on the seed and its place in name order, not on the mesh (JAX's
     partitionable threefry), so every tensor_parallel_size serves the same model. With a mesh,
@@ -162,8 +162,9 @@ def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> L
     root = jax.random.key(seed)
     loaded = []
     for name, (path, var, packed) in targets.params.items():
-        kind = ("ones" if name.endswith("norm.weight") else "zeros" if name.endswith(".bias")
-                else "normal")
+        is_norm = name.endswith("norm.weight")
+        kind = ("zeros" if name.endswith(".bias") or (is_norm and config.is_gemma)
+                else "ones" if is_norm else "normal")
         parts = (name,) if packed is None else packed.parts
         sharding = (None if mesh is None
                     else parallel.param_sharding(name, var.get_value().shape, config, mesh))
