@@ -158,3 +158,37 @@ def test_corrupt_safetensors_names_file(copy_checkpoint, corruption):
     path.write_bytes(b"\x00garbage" * 8 if corruption == "garbage" else data[:len(data) // 2])
     with pytest.raises(ValueError, match="model.safetensors"):
         load_model(directory)
+
+
+@pytest.mark.parametrize("name, tensor, shape", [
+    ("llama_mha", "model.norm.weight", (60,)),                        # the last one read
+    ("phi3", "model.layers.1.self_attn.qkv_proj.weight", (96, 96)),   # a fused tensor
+    ("gemma3", "model.layers.1.self_attn.k_norm.weight", (16,)),
+])
+def test_bad_tensor_fails_before_any_device_memory(copy_checkpoint, monkeypatch, name, tensor,
+                                                   shape):
+    directory = copy_checkpoint(name)
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({tensor: np.zeros(shape, np.float32)}))
+    placed = []
+    monkeypatch.setattr("jax.device_put", lambda *args, **kw: placed.append(args))
+    with pytest.raises(ValueError, match=rf"{tensor}.*{tuple(shape)}"):
+        load_model(directory)
+    assert placed == []
+
+
+def test_integer_tensor_names_tensor_and_dtype(copy_checkpoint):
+    directory = copy_checkpoint("qwen3")
+    name = "model.layers.0.self_attn.q_norm.weight"
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({name: np.zeros(32, np.int32)}))
+    with pytest.raises(ValueError, match=rf"{name}.*I32"):
+        load_model(directory)
+
+
+def test_head_dim_not_a_multiple_of_8_names_field(copy_checkpoint):
+    directory = copy_checkpoint("llama_head_dim")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "head_dim": 20}))
+    with pytest.raises(ValueError, match="head_dim.*20"):
+        load_model(directory)

@@ -9,9 +9,10 @@ Parameters are built straight from the tensors: the model is traced abstractly
 tensor at a time (a packed q/k/v or gate/up parameter once its parts are read, see
 `jpaged.models.packing`), so host memory peaks at about one layer's tensors rather than a second
 copy of the model. `checkpoint_tensors` goes the other way.
-Every tensor's name and shape is checked against the config before any is read. (An orbax
-folder is restored in one call, so it peaks at a host copy of the model: fine for the small
-models saved that way.)
+Every tensor's name, shape and dtype is checked against the config (from the safetensors
+headers) before any is read, so a bad checkpoint fails before any device memory is taken. (An
+orbax folder is restored in one call, so it peaks at a host copy of the model: fine for the
+small models saved that way.)
 """
 
 import dataclasses
@@ -41,6 +42,7 @@ DUMMY_STDDEV = 0.02
 # Checkpoint tensors that are safe to skip: rotary tables, which are recomputed from the config.
 # (A tied model's saved `lm_head.weight`, a copy of the embedding, is skipped too.)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
 
 
 def load_model(model_dir, *, dtype="auto", load_format="auto",
@@ -87,6 +89,7 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
     else:
         tensor_files = _tensor_files(model_dir)
         _check_names(targets.shapes, tensor_files, config, model_dir)
+        _check_headers(targets.shapes, tensor_files)
         state = _read_state(targets, tensor_files, place)
     return nnx.merge(targets.graphdef, state), config
 
@@ -268,6 +271,25 @@ def _check_names(wanted: dict, tensor_files: dict, config: ModelConfig, model_di
         raise ValueError(f"checkpoint {model_dir} has {len(unexpected)} tensor(s) the "
                          f"{config.architecture} config does not use (wrong config?), "
                          f"e.g. {unexpected[:5]}")
+
+
+def _check_headers(wanted: dict, tensor_files: dict):
+    """Every wanted tensor is in its file, floating point and of the shape the config implies,
+    read from the files' headers alone: a bad tensor fails before any is placed on a device."""
+    for file, names in _group_by_file(tensor_files, wanted).items():
+        with _open(file) as reader:
+            present = set(reader.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"{file}: tensor {name}, listed in the index, is not in it")
+                header = reader.get_slice(name)
+                shape, expected = tuple(header.get_shape()), tuple(wanted[name].shape)
+                if shape != expected:
+                    raise ValueError(f"{file}: tensor {name} has shape {shape}, the config "
+                                     f"implies {expected}")
+                if header.get_dtype() not in _FLOAT_DTYPES:
+                    raise ValueError(f"{file}: tensor {name} has dtype {header.get_dtype()}, "
+                                     f"expected one of {', '.join(_FLOAT_DTYPES)}")
 
 
 def _read_state(targets: _Targets, tensor_files: dict, place):
