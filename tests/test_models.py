@@ -10,7 +10,7 @@ from flax import nnx
 
 from jpaged.config import ModelConfig
 from jpaged.kv_cache import KVCache, init_cache
-from jpaged.models import AttentionMetadata, LlamaForCausalLM, load_model
+from jpaged.models import AttentionMetadata, LlamaForCausalLM, attention, load_model
 from jpaged.models.layers import RMSNorm, rotary_cos_sin
 from pallas_kernels.reference import apply_rotary
 from tests.hf_fixtures import FLOAT32_CHECKPOINTS, VOCAB_SIZE
@@ -40,7 +40,10 @@ def _forward(graphdef, state, token_ids, positions, cache, metadata):
 class PagedRun:
     """Drives a model over a few sequences with a randomly permuted block table."""
 
-    def __init__(self, model, config: ModelConfig, num_seqs: int, seed: int):
+    def __init__(self, model, config: ModelConfig, num_seqs: int, seed: int,
+                 backend: str = "reference"):
+        self.backend = backend
+        self.interpret = backend != "reference" and jax.default_backend() == "cpu"
         self.graphdef, self.state = nnx.split(model)
         cache = init_cache(config.num_hidden_layers, config.num_key_value_heads, NUM_BLOCKS,
                            BLOCK_SIZE, config.head_dim, model.dtype)
@@ -86,7 +89,7 @@ class PagedRun:
             block_tables=jnp.asarray(tables, jnp.int32),
             context_lens=jnp.asarray(context_lens, jnp.int32),
             query_start_loc=jnp.asarray(query_start_loc, jnp.int32),
-            is_decode=is_decode)
+            is_decode=is_decode, backend=self.backend, interpret=self.interpret)
         ids = jnp.asarray(list(token_ids) + [0] * pad, jnp.int32)
         pos = jnp.asarray(np.concatenate([positions, np.zeros(pad, np.int32)]), jnp.int32)
         logits, self.cache = _forward(self.graphdef, self.state, ids, pos, self.cache, metadata)
@@ -141,12 +144,31 @@ def test_chunked_prefill_attends_to_cached_chunk(hf_checkpoints, name):
         assert _rel_err(np.concatenate([head, tail]), _hf_logits(path, prompt)) < 1e-4
 
 
+def _pallas_cases():
+    """(backend, checkpoint) for the Pallas kernels on models that slide a window (and soft-cap
+    scores: Gemma 2), each skipped until that backend's kernels take both arguments."""
+    for backend in ("pallas_gpu", "pallas_tpu"):
+        ready = all(attention.kernels_support(backend, option)
+                    for option in ("sliding_window", "logits_soft_cap"))
+        for name in ("mistral_window", "gemma2"):
+            yield pytest.param(name, backend, marks=pytest.mark.skipif(
+                not ready, reason=f"{backend} kernels take no sliding_window/logits_soft_cap yet"))
+
+
 @pytest.mark.parametrize("name", GREEDY_CHECKPOINTS)
 def test_greedy_decode_matches_generate(hf_checkpoints, name):
-    path = hf_checkpoints[name]
+    _check_greedy_decode(hf_checkpoints[name], "reference")
+
+
+@pytest.mark.parametrize("name, backend", list(_pallas_cases()))
+def test_greedy_decode_with_windows_on_pallas_kernels(hf_checkpoints, name, backend):
+    _check_greedy_decode(hf_checkpoints[name], backend)
+
+
+def _check_greedy_decode(path: str, backend: str):
     model, config = _jpaged(path)
     prompts = _prompts(seed=4)
-    run = PagedRun(model, config, len(prompts), seed=5)
+    run = PagedRun(model, config, len(prompts), seed=5, backend=backend)
     last = [logits[-1] for logits in run.prefill([(prompt, 0) for prompt in prompts])]
     generated = [[int(np.argmax(row))] for row in last]
     for step in range(NEW_TOKENS - 1):
@@ -156,7 +178,7 @@ def test_greedy_decode_matches_generate(hf_checkpoints, name):
             tokens.append(int(np.argmax(row)))
     for tokens, expected in zip(generated, _hf_generate(path, prompts)):
         assert len(expected) > 0
-        assert tokens[:len(expected)] == expected
+        assert tokens[:len(expected)] == expected, backend
 
 
 def _hf_generate(path: str, prompts) -> list[list[int]]:
