@@ -14,10 +14,11 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM",) + GEMMA3_ARCHITECTURES
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -38,8 +39,17 @@ _DEFAULTS = {
                           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072,
                           "rope_theta": 1e6, "rope_local_base_freq": 1e4,
-                          "sliding_window_pattern": 6},
+                          "sliding_window_pattern": 6, "vocab_size": 262208,
+                          "hidden_size": 2304, "intermediate_size": 9216,
+                          "num_hidden_layers": 26, "num_attention_heads": 8,
+                          "num_key_value_heads": 4},
 }
+_DEFAULTS["Gemma3ForConditionalGeneration"] = _DEFAULTS["Gemma3ForCausalLM"]
+# Gemma3ForConditionalGeneration: its text model is served; these top-level fields describe the
+# vision side (ignored) or apply to the text model (dtype, eos, tied embeddings)
+_MULTIMODAL_FIELDS = {"text_config", "vision_config", "boi_token_index", "eoi_token_index",
+                      "image_token_index", "mm_tokens_per_image"}
+_TEXT_FIELDS_AT_TOP = ("torch_dtype", "dtype", "eos_token_id", "tie_word_embeddings")
 
 # config.json keys that are read elsewhere or do not change the computation (training, export and
 # generation settings). Anything not here and not read below is an error naming the key.
@@ -259,6 +269,12 @@ class ModelConfig:
         return self.architecture == "Phi3ForCausalLM"
 
     @property
+    def checkpoint_prefix(self) -> str:
+        """Where the checkpoint keeps the served model's tensors (its other tensors, a vision
+        tower's, are not read): Gemma 3's multimodal checkpoints nest the text model."""
+        return "language_model." if self.architecture == "Gemma3ForConditionalGeneration" else ""
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
@@ -314,6 +330,8 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{source}: field 'architectures' names {arch!r}, which is not "
                              f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if arch == "Gemma3ForConditionalGeneration":
+            raw = _text_config(raw, source)
         unknown = sorted(set(raw) - _READ - _KNOWN_UNUSED)
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {unknown}")
@@ -352,7 +370,7 @@ class ModelConfig:
                                             or "float32"),
                 eos_token_ids=read_eos_token_ids(raw.get("eos_token_id")),
                 hidden_act=_read_activation(raw, activation_field, source),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                qk_norm=arch in ("Qwen3ForCausalLM",) + GEMMA3_ARCHITECTURES,
                 query_pre_attn_scalar=_optional_float(raw, "query_pre_attn_scalar", is_gemma),
                 # Gemma 3's attention never soft-caps in transformers, whatever its config says
                 attn_logit_softcapping=_optional_float(raw, "attn_logit_softcapping",
@@ -393,6 +411,19 @@ def read_eos_token_ids(value) -> tuple:
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return (int(value),)
+
+
+def _text_config(raw: dict, source: str) -> dict:
+    """A multimodal config's text model as a config of its own (top-level dtype, eos and tied
+    embeddings apply to it, as in transformers)."""
+    unknown = sorted(set(raw) - _MULTIMODAL_FIELDS - set(_TEXT_FIELDS_AT_TOP) - _KNOWN_UNUSED
+                     - {"architectures"})
+    if unknown:
+        raise ValueError(f"{source}: unknown field(s) {unknown}")
+    if not isinstance(raw.get("text_config"), dict):
+        raise ValueError(f"{source}: field 'text_config' is missing")
+    text = {**raw["text_config"], **{k: raw[k] for k in _TEXT_FIELDS_AT_TOP if k in raw}}
+    return {**text, "architectures": raw["architectures"]}
 
 
 def _optional_float(raw: dict, field: str, is_read: bool) -> float | None:
@@ -454,7 +485,7 @@ def _read_ropes(raw: dict, arch: str, source: str) -> tuple[RopeConfig, RopeConf
     or the older top-level `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`)."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
-    if arch != "Gemma3ForCausalLM":
+    if arch not in GEMMA3_ARCHITECTURES:
         return _read_rope({**scaling, **params}, raw, arch, source), None
     if "full_attention" in params or "sliding_attention" in params:
         full = dict(params.get("full_attention") or {})

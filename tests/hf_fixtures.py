@@ -197,6 +197,24 @@ def build_gemma3(out_dir: Path):
     _save(Gemma3ForCausalLM, config, out_dir, seed=14)
 
 
+def build_gemma3_multimodal(out_dir: Path):
+    """Gemma3ForConditionalGeneration (how Gemma 3 4B/12B/27B ship): the text model of
+    build_gemma3 under `language_model.`, beside a tiny SigLIP tower that is never read."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+                              SiglipVisionConfig)
+
+    text = Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            query_pre_attn_scalar=24, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"],
+                            **dict(_COMMON, bos_token_id=2))
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          boi_token_index=VOCAB_SIZE - 3, eoi_token_index=VOCAB_SIZE - 2,
+                          image_token_index=VOCAB_SIZE - 1, eos_token_id=[1, 2])
+    _save(Gemma3ForConditionalGeneration, config, out_dir, seed=15)
+
+
 def write_tokenizer(out_dir: Path):
     """Train a byte-level BPE (VOCAB_SIZE tokens, <s>=0, </s>=1) and write tokenizer.json.
 
@@ -234,6 +252,7 @@ BUILDERS = {
     "phi3": build_phi3,
     "gemma2": build_gemma2,
     "gemma3": build_gemma3,
+    "gemma3_multimodal": build_gemma3_multimodal,
 }
 # The families added to the Llama ones, and the checkpoints whose attention slides a window or
 # soft-caps its scores (arguments the Pallas kernels may not take yet)

@@ -1,5 +1,6 @@
 """ModelConfig reads Hugging Face config.json (old and transformers 5 style); errors name fields."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -251,3 +252,24 @@ def test_phi3_longrope_matches_transformers():
     np.testing.assert_allclose(rope.long_inv_frequencies(32), long_freq.numpy(), rtol=1e-6)
     assert rope.attention_scaling == pytest.approx(attention_factor)
     assert attention_factor > 1.0
+
+
+def test_multimodal_gemma3_serves_its_text_config():
+    """gemma-3-12b-it's config.json (Gemma3ForConditionalGeneration): the text_config, with
+    transformers' defaults for the fields it omits, and the top-level dtype and eos."""
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+           "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+           "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+           "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+           "text_config": {"hidden_size": 3840, "intermediate_size": 15360,
+                           "model_type": "gemma3_text", "num_attention_heads": 16,
+                           "num_hidden_layers": 48, "num_key_value_heads": 8,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}
+    config = ModelConfig.from_dict(hub)
+    assert config.checkpoint_prefix == "language_model."
+    assert dataclasses.replace(config, architecture="Gemma3ForCausalLM") == \
+        ModelConfig.preset("gemma-3-12b")
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_dict({k: v for k, v in hub.items() if k != "text_config"})

@@ -192,3 +192,19 @@ def test_head_dim_not_a_multiple_of_8_names_field(copy_checkpoint):
     (directory / "config.json").write_text(json.dumps({**config, "head_dim": 20}))
     with pytest.raises(ValueError, match="head_dim.*20"):
         load_model(directory)
+
+
+def test_multimodal_gemma3_reads_only_its_text_model(copy_checkpoint):
+    """The vision tower's tensors are never read (a broken one does not matter); the text
+    model's are checked as any checkpoint's."""
+    directory = copy_checkpoint("gemma3_multimodal")
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({"vision_tower.head.probe": np.zeros(3, np.int8)}))
+    model, config = load_model(directory)
+    assert config.checkpoint_prefix == "language_model."
+    assert "model.layers.1.self_attn.q_norm.weight" in checkpoint_tensors(model)
+    stray = "language_model.model.layers.0.self_attn.o_proj.bias"
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({stray: np.zeros(64, np.float32)}))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj.bias"):
+        load_model(directory)
