@@ -224,13 +224,16 @@ class ModelConfig:
                      "final_logit_softcapping"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive or None, got {getattr(self, name)}")
-        self._check_layer_types()
+        self._normalize_layer_types()
         self._check_rope(self.rope, "rope_scaling")
         if self.local_rope is not None:
             self._check_rope(self.local_rope, "rope_local_base_freq")
+            if self.local_rope.partial_rotary_factor != self.rope.partial_rotary_factor:
+                raise ValueError("rope_local_base_freq: the sliding layers' rope must rotate "
+                                 "as many dims as the others' (one packed head layout)")
         normalize_dtype(self.torch_dtype)
 
-    def _check_layer_types(self):
+    def _normalize_layer_types(self):
         layer_types = self.layer_types
         if layer_types is None:
             layer_types = (LAYER_TYPES[self.sliding_window is not None],) * self.num_hidden_layers

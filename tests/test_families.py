@@ -80,9 +80,10 @@ def _hf_greedy(path: str, prompt: tuple) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = _transformers(path).generate(torch.tensor([prompt]), max_new_tokens=families_worker.MAX_TOKENS,
-                             min_new_tokens=families_worker.MAX_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        out = _transformers(path).generate(
+            torch.tensor([prompt]), max_new_tokens=families_worker.MAX_TOKENS,
+            min_new_tokens=families_worker.MAX_TOKENS, do_sample=False, eos_token_id=None,
+            pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
