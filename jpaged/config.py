@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +10,46 @@ import numpy as np
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"   # package data: works from a wheel
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# architecture -> Hugging Face model_type
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM",) + GEMMA3_ARCHITECTURES
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                   "float": "float32"}
+
+# The defaults transformers' config classes apply to an absent field, where they differ from
+# the generic reading below (a Gemma 2 config.json without `attn_logit_softcapping` soft-caps
+# at 50 in transformers, so it must here too).
+_GEMMA_DEFAULTS = {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                   "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"}
+_DEFAULTS = {
+    "MistralForCausalLM": {"sliding_window": 4096},
+    "Qwen2ForCausalLM": {"sliding_window": 4096, "max_window_layers": 28},
+    "Qwen3ForCausalLM": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28},
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072,
+                          "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                          "sliding_window_pattern": 6, "vocab_size": 262208,
+                          "hidden_size": 2304, "intermediate_size": 9216,
+                          "num_hidden_layers": 26, "num_attention_heads": 8,
+                          "num_key_value_heads": 4},
+}
+_DEFAULTS["Gemma3ForConditionalGeneration"] = _DEFAULTS["Gemma3ForCausalLM"]
+# Gemma3ForConditionalGeneration: its text model is served; these top-level fields describe the
+# vision side (ignored) or apply to the text model (dtype, eos, tied embeddings)
+_MULTIMODAL_FIELDS = {"text_config", "vision_config", "boi_token_index", "eoi_token_index",
+                      "image_token_index", "mm_tokens_per_image"}
+_TEXT_FIELDS_AT_TOP = ("torch_dtype", "dtype", "eos_token_id", "tie_word_embeddings")
 
 # config.json keys that are read elsewhere or do not change the computation (training, export and
 # generation settings). Anything not here and not read below is an error naming the key.
@@ -24,6 +61,8 @@ _KNOWN_UNUSED = {
     "tokenizer_class", "task_specific_params", "cross_attention_hidden_size", "prefix",
     "sep_token_id", "decoder_start_token_id", "tf_legacy_loss", "pruned_heads", "torchscript",
     "finetuning_task", "num_labels", "use_bfloat16", "qkv_bias",
+    "embd_pdrop", "resid_pdrop", "auto_map", "cache_implementation", "_sliding_window_pattern",
+    "sliding_window_size",
 }
 _READ = {
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -31,7 +70,9 @@ _READ = {
     "rms_norm_eps", "eos_token_id", "rope_parameters", "rope_scaling", "rope_theta",
     "partial_rotary_factor", "attention_bias", "mlp_bias", "tie_word_embeddings", "torch_dtype",
     "dtype", "hidden_act", "sliding_window", "use_sliding_window", "max_window_layers",
-    "layer_types",
+    "layer_types", "original_max_position_embeddings", "hidden_activation",
+    "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+    "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
 }
 
 
@@ -45,24 +86,49 @@ def normalize_dtype(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings; `rope_type` is 'default', 'linear' or 'llama3'."""
+    """Rotary embedding settings; `rope_type` is 'default', 'linear', 'llama3' or 'longrope'.
+
+    longrope (Phi-3's "su"): frequencies divided by `short_factor` per pair, or by `long_factor`
+    at positions >= original_max_position_embeddings, and cos/sin scaled by `attention_factor`.
+    partial_rotary_factor < 1 rotates only the first int(D * factor) dims of each head (Phi-3).
+    """
     theta: float = 10000.0
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple = ()
+    long_factor: tuple = ()
+    attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
-        if self.rope_type not in ("default", "llama3", "linear"):
+        if self.rope_type not in ("default", "llama3", "linear", "longrope"):
             raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported "
-                             "(supported: default, linear, llama3)")
+                             "(supported: default, linear, llama3, longrope)")
+        if self.rope_type == "longrope" and (
+                not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError("rope_scaling type 'longrope' needs short_factor and long_factor "
+                             f"of one length, got {len(self.short_factor)} and "
+                             f"{len(self.long_factor)}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
+                             f"{self.partial_rotary_factor}")
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Rotated dims of each head (transformers' int(head_dim * partial_rotary_factor))."""
+        return int(head_dim * self.partial_rotary_factor)
 
     def inv_frequencies(self, head_dim: int) -> np.ndarray:
-        """Per-pair inverse frequencies [D/2], float64, with the configured scaling applied."""
-        inv_freq = 1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        """Per-pair inverse frequencies [R/2] (R = rotary_dim), float64, with the configured
+        scaling applied (longrope: the short factors)."""
+        dim = self.rotary_dim(head_dim)
+        inv_freq = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
         if self.rope_type == "linear":
             return inv_freq / self.factor
+        if self.rope_type == "longrope":
+            return inv_freq / np.asarray(self.short_factor, np.float64)
         if self.rope_type == "llama3":
             low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
             high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
@@ -75,18 +141,39 @@ class RopeConfig:
             return np.where(is_medium, smoothed, scaled)
         return inv_freq
 
+    def long_inv_frequencies(self, head_dim: int) -> np.ndarray | None:
+        """longrope's frequencies [R/2] for positions >= original_max_position_embeddings; None
+        for the other types."""
+        if self.rope_type != "longrope":
+            return None
+        dim = self.rotary_dim(head_dim)
+        base = self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        return 1.0 / (np.asarray(self.long_factor, np.float64) * base)
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor transformers multiplies cos and sin by (longrope's attention factor)."""
+        return self.attention_factor if self.rope_type == "longrope" else 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder, in Hugging Face's field names where they exist.
+    """A decoder of the Llama family (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3), in Hugging
+    Face's field names where they exist.
 
     Which projections carry a bias depends on the architecture, not only on `attention_bias`:
-    Llama biases q, k, v and o when `attention_bias` is set, Qwen2 always biases q, k, v and never
-    o, Mistral has none. `qkv_bias` / `o_proj_bias` / `mlp_bias` hold the resolved answer.
+    Llama biases q, k, v and o when `attention_bias` is set (Qwen3 and Gemma too), Qwen2 always
+    biases q, k, v and never o, Mistral and Phi-3 have none. `qkv_bias` / `o_proj_bias` /
+    `mlp_bias` hold the resolved answer.
 
-    `sliding_window` (None = full attention in every layer): attention here is always full causal,
-    which equals sliding-window attention while a sequence holds at most `sliding_window` tokens,
-    so `max_model_len` is capped there instead of rejecting such models (Mistral 7B v0.1).
+    Attention per layer: `layer_types[i]` is "full_attention" or "sliding_attention" (a query at
+    position p sees keys k with p - sliding_window < k <= p); layer_types None means every layer
+    slides when `sliding_window` is set. `local_rope` (Gemma 3) rotates the sliding layers, `rope`
+    the others. `qk_norm`: RMSNorm over each query and key head before the rotation (Qwen3,
+    Gemma 3). `query_pre_attn_scalar` sets the attention scale (its -1/2 power; default head_dim);
+    `attn_logit_softcapping` / `final_logit_softcapping` replace a score or logit s by
+    c * tanh(s / c). Gemma decoders (`is_gemma`) also scale embeddings by sqrt(hidden_size), use
+    RMSNorm with (1 + weight) and norm both before and after attention and the MLP.
     """
     architecture: str
     vocab_size: int
@@ -106,6 +193,13 @@ class ModelConfig:
     sliding_window: int | None = None
     torch_dtype: str = "float32"
     eos_token_ids: tuple = ()
+    layer_types: tuple | None = None
+    local_rope: RopeConfig | None = None
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -119,23 +213,97 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.head_dim % 8:  # the kernels tile the head dim in multiples of 8
+            raise ValueError(f"head_dim must be a multiple of 8, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported "
+                             f"(supported: {', '.join(ACTIVATIONS)})")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive or None, got {getattr(self, name)}")
+        self._normalize_layer_types()
+        self._check_rope(self.rope, "rope_scaling")
+        if self.local_rope is not None:
+            self._check_rope(self.local_rope, "rope_local_base_freq")
+            if self.local_rope.partial_rotary_factor != self.rope.partial_rotary_factor:
+                raise ValueError("rope_local_base_freq: the sliding layers' rope must rotate "
+                                 "as many dims as the others' (one packed head layout)")
         normalize_dtype(self.torch_dtype)
+
+    def _normalize_layer_types(self):
+        layer_types = self.layer_types
+        if layer_types is None:
+            layer_types = (LAYER_TYPES[self.sliding_window is not None],) * self.num_hidden_layers
+        object.__setattr__(self, "layer_types", tuple(layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types has unsupported types {unknown}")
+
+    def _check_rope(self, rope: RopeConfig, field: str):
+        rotary_dim = rope.rotary_dim(self.head_dim)
+        if rotary_dim % 2 or (self.head_dim - rotary_dim) % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) and its rotated dims ({rotary_dim}) "
+                             "must be even for rotary embeddings")
+        if rope.partial_rotary_factor != 1.0 and self.qk_norm:
+            raise ValueError("partial_rotary_factor < 1 with q/k norms is not supported")
+        if rope.rope_type == "longrope" and len(rope.short_factor) != rotary_dim // 2:
+            raise ValueError(f"{field}: short_factor and long_factor need {rotary_dim // 2} "
+                             f"entries (rotated dims / 2), got {len(rope.short_factor)}")
 
     @property
     def model_type(self) -> str:
-        return {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                "Qwen2ForCausalLM": "qwen2"}[self.architecture]
+        return _MODEL_TYPES[self.architecture]
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2/3 decoder: (1 + weight) RMSNorms before and after attention and the MLP,
+        embeddings scaled by sqrt(hidden_size)."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
+    def has_fused_checkpoint(self) -> bool:
+        """The checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`."""
+        return self.architecture == "Phi3ForCausalLM"
+
+    @property
+    def checkpoint_prefix(self) -> str:
+        """Where the checkpoint keeps the served model's tensors (its other tensors, a vision
+        tower's, are not read): Gemma 3's multimodal checkpoints nest the text model."""
+        return "language_model." if self.architecture == "Gemma3ForConditionalGeneration" else ""
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None where it attends to every earlier token
+        (also for a window covering max_position_embeddings, which excludes nothing)."""
+        window = self.sliding_window
+        if (self.layer_types[layer] != "sliding_attention" or window is None
+                or window >= self.max_position_embeddings):
+            return None
+        return window
+
+    @property
+    def num_sliding_layers(self) -> int:
+        """Layers whose attention a sliding window bounds (`layer_window`)."""
+        return sum(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        if self.layer_types[layer] == "sliding_attention" and self.local_rope is not None:
+            return self.local_rope
+        return self.rope
 
     @property
     def max_model_len(self) -> int:
         """Longest sequence (prompt + output) this model computes exactly."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """2 (K and V) x layers x kv heads x head dim x element bytes."""
@@ -147,9 +315,10 @@ class ModelConfig:
         kv_out = self.num_key_value_heads * self.head_dim
         attn = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
         attn += (q_out + 2 * kv_out) * self.qkv_bias + self.hidden_size * self.o_proj_bias
+        attn += 2 * self.head_dim * self.qk_norm
         mlp = 3 * self.hidden_size * self.intermediate_size
         mlp += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
-        per_layer = attn + mlp + 2 * self.hidden_size
+        per_layer = attn + mlp + (4 if self.is_gemma else 2) * self.hidden_size
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
         return self.num_hidden_layers * per_layer + embed + head + self.hidden_size
@@ -157,7 +326,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from a Hugging Face config dict; unknown keys are errors naming the key."""
-        raw = dict(raw)
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"{source}: field 'architectures' is missing")
@@ -165,19 +333,26 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{source}: field 'architectures' names {arch!r}, which is not "
                              f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if arch == "Gemma3ForConditionalGeneration":
+            raw = _text_config(raw, source)
+        unknown = sorted(set(raw) - _READ - _KNOWN_UNUSED)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {unknown}")
+        raw = {**_DEFAULTS.get(arch, {}), **raw}
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         for key in required:
             if raw.get(key) is None:
                 raise ValueError(f"{source}: required field {key!r} is missing")
-        unknown = sorted(set(raw) - _READ - _KNOWN_UNUSED)
-        if unknown:
-            raise ValueError(f"{source}: unknown field(s) {unknown}")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: field 'hidden_act' is {raw['hidden_act']!r}; "
-                             "only 'silu' is supported")
+        if raw.get("use_bidirectional_attention"):
+            raise ValueError(f"{source}: field 'use_bidirectional_attention' is set; only "
+                             "causal decoders are supported")
         heads = int(raw["num_attention_heads"])
         qkv_bias, o_proj_bias, mlp_bias = _read_biases(raw, arch)
+        sliding_window, layer_types = _read_layer_types(raw, arch, source)
+        rope, local_rope = _read_ropes(raw, arch, source)
+        is_gemma = arch in GEMMA_ARCHITECTURES
+        activation_field = "hidden_activation" if is_gemma else "hidden_act"
         try:
             return cls(
                 architecture=arch,
@@ -190,13 +365,21 @@ class ModelConfig:
                 head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
                 max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
                 rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
-                rope=_read_rope(raw, source),
+                rope=rope, local_rope=local_rope,
                 qkv_bias=qkv_bias, o_proj_bias=o_proj_bias, mlp_bias=mlp_bias,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                sliding_window=_read_sliding_window(raw, arch, source),
+                sliding_window=sliding_window, layer_types=layer_types,
                 torch_dtype=normalize_dtype(raw.get("torch_dtype") or raw.get("dtype")
                                             or "float32"),
                 eos_token_ids=read_eos_token_ids(raw.get("eos_token_id")),
+                hidden_act=_read_activation(raw, activation_field, source),
+                qk_norm=arch in ("Qwen3ForCausalLM",) + GEMMA3_ARCHITECTURES,
+                query_pre_attn_scalar=_optional_float(raw, "query_pre_attn_scalar", is_gemma),
+                # Gemma 3's attention never soft-caps in transformers, whatever its config says
+                attn_logit_softcapping=_optional_float(raw, "attn_logit_softcapping",
+                                                       arch == "Gemma2ForCausalLM"),
+                final_logit_softcapping=_optional_float(raw, "final_logit_softcapping",
+                                                        is_gemma),
             )
         except ValueError as err:
             if source in str(err):
@@ -233,53 +416,125 @@ def read_eos_token_ids(value) -> tuple:
     return (int(value),)
 
 
+def _text_config(raw: dict, source: str) -> dict:
+    """A multimodal config's text model as a config of its own (top-level dtype, eos and tied
+    embeddings apply to it, as in transformers)."""
+    unknown = sorted(set(raw) - _MULTIMODAL_FIELDS - set(_TEXT_FIELDS_AT_TOP) - _KNOWN_UNUSED
+                     - {"architectures"})
+    if unknown:
+        raise ValueError(f"{source}: unknown field(s) {unknown}")
+    if not isinstance(raw.get("text_config"), dict):
+        raise ValueError(f"{source}: field 'text_config' is missing")
+    text = {**raw["text_config"], **{k: raw[k] for k in _TEXT_FIELDS_AT_TOP if k in raw}}
+    return {**text, "architectures": raw["architectures"]}
+
+
+def _optional_float(raw: dict, field: str, is_read: bool) -> float | None:
+    """raw[field] as a float where this architecture reads it (None when absent or null)."""
+    value = raw.get(field) if is_read else None
+    return None if value is None else float(value)
+
+
+def _read_activation(raw: dict, field: str, source: str) -> str:
+    activation = raw.get(field) or "silu"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{source}: field {field!r} is {activation!r}; supported: "
+                         f"{', '.join(ACTIVATIONS)}")
+    return activation
+
+
 def _read_biases(raw: dict, arch: str) -> tuple[bool, bool, bool]:
     """(qkv_bias, o_proj_bias, mlp_bias) as each transformers architecture builds its Linears."""
     if arch == "Qwen2ForCausalLM":
         return True, False, False
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return False, False, False
     attention_bias = bool(raw.get("attention_bias", False))
-    return attention_bias, attention_bias, bool(raw.get("mlp_bias", False))
+    mlp_bias = arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False))
+    return attention_bias, attention_bias, mlp_bias
 
 
-def _read_sliding_window(raw: dict, arch: str, source: str) -> int | None:
-    """The window of any sliding-window layer, or None when every layer attends fully."""
-    if arch == "LlamaForCausalLM":
-        return None  # transformers' Llama has no sliding window, whatever the config says
-    window = raw.get("sliding_window")
+def _read_layer_types(raw: dict, arch: str, source: str) -> tuple[int | None, tuple]:
+    """(sliding_window, layer_types) as each transformers architecture builds its masks."""
+    layers = int(raw["num_hidden_layers"])
     layer_types = raw.get("layer_types")
     if layer_types is not None:
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"{source}: field 'layer_types' has unsupported types {unknown}")
-        is_sliding = "sliding_attention" in layer_types
-    elif arch == "Qwen2ForCausalLM":
-        is_sliding = bool(raw.get("use_sliding_window", False)) and int(
-            raw.get("max_window_layers", 28)) < int(raw["num_hidden_layers"])
-    else:
-        is_sliding = True
-    return int(window) if is_sliding and window is not None else None
+        if len(layer_types) != layers:
+            raise ValueError(f"{source}: field 'layer_types' has {len(layer_types)} entries for "
+                             f"{layers} layers")
+    window = raw.get("sliding_window")
+    if arch == "LlamaForCausalLM":
+        window = None  # transformers' Llama has no sliding window, whatever the config says
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        layer_types = None  # one window for every layer (transformers ignores layer_types)
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window = window if raw.get("use_sliding_window", False) else None
+        first_sliding = int(raw["max_window_layers"])
+        layer_types = layer_types or [LAYER_TYPES[i >= first_sliding] for i in range(layers)]
+    else:  # Gemma 2 alternates from a sliding first layer; Gemma 3 slides 5 layers in 6
+        pattern = int(raw["sliding_window_pattern"]) if "Gemma3" in arch else 2
+        layer_types = layer_types or [LAYER_TYPES[bool((i + 1) % pattern)]
+                                      for i in range(layers)]
+    if window is None or (layer_types is not None and LAYER_TYPES[1] not in layer_types):
+        return None, None
+    return int(window), None if layer_types is None else tuple(layer_types)
 
 
-def _read_rope(raw: dict, source: str) -> RopeConfig:
-    """Read both transformers 5 `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
-    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ValueError(f"{source}: field 'partial_rotary_factor' must be 1.0, "
-                         f"got {raw['partial_rotary_factor']}")
+def _read_ropes(raw: dict, arch: str, source: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """(rope, local_rope): transformers 5 `rope_parameters` (Gemma 3: one dict per layer type)
+    or the older top-level `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`)."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if arch not in GEMMA3_ARCHITECTURES:
+        return _read_rope({**scaling, **params}, raw, arch, source), None
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full, local = {**scaling, **params}, {}
+    full.setdefault("rope_theta", raw["rope_theta"])
+    local.setdefault("rope_theta", raw["rope_local_base_freq"])
+    return (_read_rope(full, raw, arch, source),
+            _read_rope(local, raw, arch, f"{source} (sliding layers)"))
+
+
+def _read_rope(merged: dict, raw: dict, arch: str, source: str) -> RopeConfig:
+    """One RopeConfig from a merged rope_scaling / rope_parameters dict."""
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    partial = float(merged.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0)
+    if arch == "Phi3ForCausalLM":
+        rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type  # Phi-3's old names
+    elif partial != 1.0:
+        raise ValueError(f"{source}: field 'partial_rotary_factor' must be 1.0, got {partial}")
+    max_positions = int(raw.get("max_position_embeddings") or 2048)
+    # Phi-3 keeps the pre-training length at the top level, and transformers prefers it there
+    original = int(raw.get("original_max_position_embeddings")
+                   or merged.get("original_max_position_embeddings")
+                   or (max_positions if rope_type in ("llama3", "longrope") else 8192))
+    factor = float(merged.get("factor") or (max_positions / original
+                                            if rope_type == "longrope" else 1.0))
     try:
         return RopeConfig(
-            theta=theta, rope_type=rope_type,
-            factor=float(merged.get("factor", 1.0)),
+            theta=float(merged.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rope_type=rope_type, factor=factor,
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                merged.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=original,
+            short_factor=tuple(float(f) for f in merged.get("short_factor") or ()),
+            long_factor=tuple(float(f) for f in merged.get("long_factor") or ()),
+            attention_factor=float(merged.get("attention_factor") or (
+                _longrope_attention_factor(factor, original) if rope_type == "longrope" else 1.0)),
+            partial_rotary_factor=partial,
         )
     except ValueError as err:
         raise ValueError(f"{source}: field 'rope_scaling': {err}") from err
+
+
+def _longrope_attention_factor(factor: float, original_max_position_embeddings: int) -> float:
+    """The cos/sin scale transformers derives when a longrope config gives none."""
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))

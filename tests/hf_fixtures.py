@@ -120,6 +120,101 @@ def build_llama_tp8(out_dir: Path):
     _save(LlamaForCausalLM, config, out_dir, seed=8)
 
 
+def build_mistral_window(out_dir: Path):
+    """Mistral whose sliding window (8) is shorter than the test prompts: the window binds."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                           **_COMMON)
+    _save(MistralForCausalLM, config, out_dir, seed=9)
+
+
+def build_qwen2_window(out_dir: Path):
+    """Qwen2 with a sliding window (8) on layers from max_window_layers (1) on: layer 0 full,
+    layer 1 sliding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=8, max_window_layers=1, **_COMMON)
+    _save(Qwen2ForCausalLM, config, out_dir, seed=10)
+
+
+def build_qwen3(out_dir: Path):
+    """Qwen3: per-head q/k RMSNorm before RoPE, explicit head_dim (32 != 64 / 4)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         rope_theta=1e6, **_COMMON)
+    _save(Qwen3ForCausalLM, config, out_dir, seed=11)
+
+
+PHI3_ORIGINAL_MAX = 32  # longrope switches to its long factors at this position
+
+
+def build_phi3(out_dir: Path):
+    """Phi-3: fused qkv_proj / gate_up_proj tensors, head_dim 24 (not a power of two, like the
+    real 96), GQA, longrope scaling (short factors below position 32, long from there, and an
+    attention factor) and partial rotation (18 of 24 dims)."""
+    import numpy as np
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rng = np.random.default_rng(12)
+    pairs = 9  # rotated dims / 2 = 24 * 0.75 / 2
+    rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                short_factor=(1.0 + rng.random(pairs)).tolist(),
+                long_factor=(2.0 + 4.0 * rng.random(pairs)).tolist())
+    common = dict(_COMMON, hidden_size=96, max_position_embeddings=4 * PHI3_ORIGINAL_MAX)
+    config = Phi3Config(num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
+                        original_max_position_embeddings=PHI3_ORIGINAL_MAX, pad_token_id=0,
+                        **common)
+    _save(Phi3ForCausalLM, config, out_dir, seed=12)
+
+
+def build_gemma2(out_dir: Path):
+    """Gemma 2: soft caps small enough to matter (scores 1.0, logits 3.0), sliding layer 0 and
+    global layer 1 (window 8), GeGLU, sandwich (1 + weight) norms, scaled embeddings,
+    query_pre_attn_scalar (24) != head_dim (32)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          query_pre_attn_scalar=24, sliding_window=8,
+                          attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                          **dict(_COMMON, bos_token_id=2))
+    _save(Gemma2ForCausalLM, config, out_dir, seed=13)
+
+
+def build_gemma3(out_dir: Path):
+    """Gemma 3 (text): q/k norms, a sliding layer (window 8, local rope base 100) then a global
+    one (rope base 10^6, linear scaling x4), query_pre_attn_scalar 24."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    rope = {"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+            "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6)}
+    config = Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              query_pre_attn_scalar=24, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters=rope, **dict(_COMMON, bos_token_id=2))
+    _save(Gemma3ForCausalLM, config, out_dir, seed=14)
+
+
+def build_gemma3_multimodal(out_dir: Path):
+    """Gemma3ForConditionalGeneration (how Gemma 3 4B/12B/27B ship): the text model of
+    build_gemma3 under `language_model.`, beside a tiny SigLIP tower that is never read."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+                              SiglipVisionConfig)
+
+    text = Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            query_pre_attn_scalar=24, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"],
+                            **dict(_COMMON, bos_token_id=2))
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          boi_token_index=VOCAB_SIZE - 3, eoi_token_index=VOCAB_SIZE - 2,
+                          image_token_index=VOCAB_SIZE - 1, eos_token_id=[1, 2])
+    _save(Gemma3ForConditionalGeneration, config, out_dir, seed=15)
+
+
 def write_tokenizer(out_dir: Path):
     """Train a byte-level BPE (VOCAB_SIZE tokens, <s>=0, </s>=1) and write tokenizer.json.
 
@@ -151,7 +246,18 @@ BUILDERS = {
     "llama_head_dim": build_llama_head_dim,
     "llama_sharded": build_llama_sharded,
     "llama_bf16": build_llama_bf16,
+    "mistral_window": build_mistral_window,
+    "qwen2_window": build_qwen2_window,
+    "qwen3": build_qwen3,
+    "phi3": build_phi3,
+    "gemma2": build_gemma2,
+    "gemma3": build_gemma3,
+    "gemma3_multimodal": build_gemma3_multimodal,
 }
+# The families added to the Llama ones, and the checkpoints whose attention slides a window or
+# soft-caps its scores (arguments the Pallas kernels may not take yet)
+NEW_FAMILIES = ("qwen3", "phi3", "gemma2", "gemma3")
+WINDOWED = ("mistral_window", "qwen2_window", "gemma2", "gemma3")
 FLOAT32_CHECKPOINTS = tuple(name for name in BUILDERS if name != "llama_bf16")
 
 

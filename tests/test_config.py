@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jpaged import options
-from jpaged.config import ModelConfig, RopeConfig
+from jpaged.config import PRESETS_DIR, ModelConfig, RopeConfig
 from jpaged.options import OPTIONS, EngineConfig, OptionError, check_options
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +99,7 @@ def test_bias_per_architecture(arch, extra, expected):
 
 @pytest.mark.parametrize("arch, extra, window", [
     ("MistralForCausalLM", {"sliding_window": 4096}, 4096),
-    ("MistralForCausalLM", {"sliding_window": None}, None),
+    ("MistralForCausalLM", {}, 4096),                   # transformers' MistralConfig default
     ("Qwen2ForCausalLM", {"sliding_window": 131072, "use_sliding_window": False}, None),
     ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True,
                           "max_window_layers": 28}, 4096),
@@ -109,10 +109,21 @@ def test_bias_per_architecture(arch, extra, expected):
                           "layer_types": ["full_attention"] * 32}, None),
     ("LlamaForCausalLM", {"sliding_window": 4096}, None),
 ])
-def test_sliding_window_caps_max_model_len(arch, extra, window):
+def test_sliding_window_no_longer_caps_max_model_len(arch, extra, window):
     config = _llama(architectures=[arch], max_position_embeddings=32768, **extra)
     assert config.sliding_window == window
-    assert config.max_model_len == (window or 32768)
+    assert config.max_model_len == 32768
+
+
+def test_explicit_null_window_and_per_layer_windows():
+    mistral = ModelConfig.from_dict({**LLAMA31_8B, "architectures": ["MistralForCausalLM"],
+                                     "sliding_window": None})
+    assert mistral.sliding_window is None and mistral.layer_window(0) is None
+    qwen = _llama(architectures=["Qwen2ForCausalLM"], sliding_window=4096,
+                  use_sliding_window=True, max_window_layers=28)
+    assert [qwen.layer_window(i) for i in (0, 27, 28, 31)] == [None, None, 4096, 4096]
+    covering = _llama(architectures=["MistralForCausalLM"], sliding_window=131072)
+    assert covering.layer_window(0) is None  # a window over every position excludes nothing
 
 
 def test_explicit_and_derived_head_dim():
@@ -128,6 +139,14 @@ def test_eos_token_id_forms(eos, expected):
 @pytest.mark.parametrize("change, field", [
     ({"quantization_config": {"bits": 4}}, "quantization_config"),
     ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"head_dim": 12}, "head_dim"),
+    ({"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "relu"}, "hidden_activation"),
+    ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+     "use_bidirectional_attention"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {
+        "type": "su", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3}}, "short_factor"),
+    ({"architectures": ["Gemma2ForCausalLM"], "layer_types": ["full_attention"] * 3},
+     "layer_types"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
@@ -158,8 +177,11 @@ def test_every_fixture_config_parses(hf_checkpoints):
     for name, directory in hf_checkpoints.items():
         config = ModelConfig.from_json(f"{directory}/config.json")
         assert config.num_hidden_layers == 2, name
-    mistral = ModelConfig.from_json(f"{hf_checkpoints['mistral']}/config.json")
-    assert mistral.max_model_len == 64
+    windows = {name: [ModelConfig.from_json(f"{hf_checkpoints[name]}/config.json")
+                      .layer_window(i) for i in range(2)]
+               for name in ("mistral", "mistral_window", "qwen2_window", "gemma2", "gemma3")}
+    assert windows == {"mistral": [64, 64], "mistral_window": [8, 8], "qwen2_window": [None, 8],
+                       "gemma2": [8, None], "gemma3": [8, None]}
 
 
 def test_unknown_preset_lists_known():
@@ -272,3 +294,96 @@ def test_options_module_is_a_low_layer():
                                                                 "pallas_kernels")} \
         == {"jpaged.config"}
     assert LOAD_FORMATS == options.LOAD_FORMATS
+
+
+@pytest.mark.parametrize("name, expected", [
+    # parameter counts as published for these checkpoints (Gemma 3 12B: its text model only)
+    ("qwen3-8b", dict(head_dim=128, qk_norm=True, num_parameters=8_190_735_360,
+                      scale=128 ** -0.5, windows={None}, caps=(None, None))),
+    ("phi-3-mini-4k", dict(head_dim=96, qk_norm=False, num_parameters=3_821_079_552,
+                           scale=96 ** -0.5, windows={2047}, caps=(None, None))),
+    ("gemma-2-9b", dict(head_dim=256, qk_norm=False, num_parameters=9_241_705_984,
+                        scale=256 ** -0.5, windows={4096, None}, caps=(50.0, 30.0))),
+    ("gemma-3-12b", dict(head_dim=256, qk_norm=True, num_parameters=11_766_034_176,
+                         scale=256 ** -0.5, windows={1024, None}, caps=(None, None))),
+])
+def test_family_presets(name, expected):
+    config = ModelConfig.preset(name)
+    assert config.head_dim == expected["head_dim"] and config.qk_norm == expected["qk_norm"]
+    assert config.num_parameters() == expected["num_parameters"]
+    assert config.attention_scale == pytest.approx(expected["scale"])
+    assert {config.layer_window(i) for i in range(config.num_hidden_layers)} == \
+        expected["windows"]
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == expected["caps"]
+    assert config.max_model_len == config.max_position_embeddings
+
+
+def test_gemma_layer_patterns_and_ropes():
+    gemma2 = ModelConfig.preset("gemma-2-9b")
+    assert gemma2.layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
+    assert gemma2.hidden_act == "gelu_pytorch_tanh" and gemma2.is_gemma
+    assert gemma2.tie_word_embeddings
+    gemma3 = ModelConfig.preset("gemma-3-12b")
+    full = [i for i in range(48) if gemma3.layer_window(i) is None]
+    assert full == list(range(5, 48, 6))                     # every sixth layer is global
+    assert gemma3.layer_rope(5) == RopeConfig(theta=1e6, rope_type="linear", factor=8.0)
+    assert gemma3.layer_rope(0) == RopeConfig(theta=1e4)      # rope_local_base_freq
+    # transformers 5 writes one rope_parameters dict per layer type; both forms read alike
+    new_style = {k: v for k, v in json.loads(
+        (PRESETS_DIR / "gemma-3-12b.json").read_text()).items()
+        if k not in ("rope_scaling", "rope_theta", "rope_local_base_freq")}
+    new_style["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    assert ModelConfig.from_dict(new_style) == gemma3
+    defaults = ModelConfig.from_dict({"architectures": ["Gemma2ForCausalLM"], "vocab_size": 64,
+                                      "hidden_size": 64, "intermediate_size": 64,
+                                      "num_hidden_layers": 2, "num_attention_heads": 2})
+    # an absent field takes transformers' Gemma2Config default, not the generic one
+    assert (defaults.head_dim, defaults.attn_logit_softcapping,
+            defaults.final_logit_softcapping, defaults.attention_scale) == (256, 50.0, 30.0,
+                                                                            256 ** -0.5)
+
+
+def test_phi3_longrope_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rng = np.random.default_rng(0)
+    short, long = (1 + rng.random(12)).tolist(), (2 + 4 * rng.random(12)).tolist()
+    raw = dict(architectures=["Phi3ForCausalLM"], vocab_size=64, hidden_size=128,
+               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=4096, original_max_position_embeddings=256,
+               partial_rotary_factor=0.75, rope_theta=10000.0,
+               rope_scaling={"type": "su", "short_factor": short, "long_factor": long,
+                             "original_max_position_embeddings": 256})
+    rope = ModelConfig.from_dict(raw).rope
+    hf_config = transformers.Phi3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    short_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None)
+    long_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=257)
+    assert rope.rope_type == "longrope" and rope.rotary_dim(32) == 24
+    np.testing.assert_allclose(rope.inv_frequencies(32), short_freq.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(rope.long_inv_frequencies(32), long_freq.numpy(), rtol=1e-6)
+    assert rope.attention_scaling == pytest.approx(attention_factor)
+    assert attention_factor > 1.0
+
+
+def test_multimodal_gemma3_serves_its_text_config():
+    """gemma-3-12b-it's config.json (Gemma3ForConditionalGeneration): the text_config, with
+    transformers' defaults for the fields it omits, and the top-level dtype and eos."""
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+           "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+           "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+           "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+           "text_config": {"hidden_size": 3840, "intermediate_size": 15360,
+                           "model_type": "gemma3_text", "num_attention_heads": 16,
+                           "num_hidden_layers": 48, "num_key_value_heads": 8,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}
+    config = ModelConfig.from_dict(hub)
+    assert config.checkpoint_prefix == "language_model."
+    assert dataclasses.replace(config, architecture="Gemma3ForCausalLM") == \
+        ModelConfig.preset("gemma-3-12b")
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_dict({k: v for k, v in hub.items() if k != "text_config"})

@@ -1,6 +1,7 @@
 """KV calculator: llama3-70b worked by hand (4096 tokens, 128 users sharing a 1000-token prefix),
 every shipped config, bad input."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -39,9 +40,30 @@ def test_cli_json_keys():
 @pytest.mark.parametrize("name,per_token_bf16", [
     ("llama2-7b", 2 * 32 * 32 * 128 * 2), ("llama3-8b", 2 * 32 * 8 * 128 * 2),
     ("mistral-7b", 2 * 32 * 8 * 128 * 2), ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),
-    ("tiny", 2 * 2 * 2 * 16 * 2)])
+    ("tiny", 2 * 2 * 2 * 16 * 2), ("qwen3-8b", 2 * 36 * 8 * 128 * 2),
+    ("phi-3-mini-4k", 2 * 32 * 32 * 96 * 2), ("gemma-2-9b", 2 * 42 * 8 * 256 * 2),
+    ("gemma-3-12b", 2 * 48 * 8 * 256 * 2)])
 def test_shipped_configs(name, per_token_bf16):
     assert ModelConfig.preset(name).kv_bytes_per_token("bfloat16") == per_token_bf16
+
+
+def _kv_calc_main(argv, capsys) -> str:
+    spec = importlib.util.spec_from_file_location("kv_calc", ROOT / "tools" / "kv_calc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(argv) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, sliding_layers, window", [
+    ("gemma-3-12b", 40, 1024), ("gemma-2-9b", 21, 4096), ("phi-3-mini-4k", 32, 2047),
+    ("qwen3-8b", 0, None), ("mistral-7b", 0, None)])
+def test_sliding_layers_reported(name, sliding_layers, window, capsys):
+    numbers = json.loads(_kv_calc_main(["--model", name, "--json"], capsys))
+    assert (numbers["sliding_layers"], numbers["sliding_window"]) == (sliding_layers, window)
+    assert numbers["bytes_per_token"] == ModelConfig.preset(name).kv_bytes_per_token("bf16")
+    text = _kv_calc_main(["--model", name], capsys)
+    assert (f"{sliding_layers} layers slide a {window}-token window" in text) == bool(window)
 
 
 def test_every_shipped_config_loads():

@@ -158,3 +158,53 @@ def test_corrupt_safetensors_names_file(copy_checkpoint, corruption):
     path.write_bytes(b"\x00garbage" * 8 if corruption == "garbage" else data[:len(data) // 2])
     with pytest.raises(ValueError, match="model.safetensors"):
         load_model(directory)
+
+
+@pytest.mark.parametrize("name, tensor, shape", [
+    ("llama_mha", "model.norm.weight", (60,)),                        # the last one read
+    ("phi3", "model.layers.1.self_attn.qkv_proj.weight", (96, 96)),   # a fused tensor
+    ("gemma3", "model.layers.1.self_attn.k_norm.weight", (16,)),
+])
+def test_bad_tensor_fails_before_any_device_memory(copy_checkpoint, monkeypatch, name, tensor,
+                                                   shape):
+    directory = copy_checkpoint(name)
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({tensor: np.zeros(shape, np.float32)}))
+    placed = []
+    monkeypatch.setattr("jax.device_put", lambda *args, **kw: placed.append(args))
+    with pytest.raises(ValueError, match=rf"{tensor}.*{tuple(shape)}"):
+        load_model(directory)
+    assert placed == []
+
+
+def test_integer_tensor_names_tensor_and_dtype(copy_checkpoint):
+    directory = copy_checkpoint("qwen3")
+    name = "model.layers.0.self_attn.q_norm.weight"
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({name: np.zeros(32, np.int32)}))
+    with pytest.raises(ValueError, match=rf"{name}.*I32"):
+        load_model(directory)
+
+
+def test_head_dim_not_a_multiple_of_8_names_field(copy_checkpoint):
+    directory = copy_checkpoint("llama_head_dim")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "head_dim": 20}))
+    with pytest.raises(ValueError, match="head_dim.*20"):
+        load_model(directory)
+
+
+def test_multimodal_gemma3_reads_only_its_text_model(copy_checkpoint):
+    """The vision tower's tensors are never read (a broken one does not matter); the text
+    model's are checked as any checkpoint's."""
+    directory = copy_checkpoint("gemma3_multimodal")
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({"vision_tower.head.probe": np.zeros(3, np.int8)}))
+    model, config = load_model(directory)
+    assert config.checkpoint_prefix == "language_model."
+    assert "model.layers.1.self_attn.q_norm.weight" in checkpoint_tensors(model)
+    stray = "language_model.model.layers.0.self_attn.o_proj.bias"
+    _edit_tensors(directory / "model.safetensors",
+                  lambda t: t.update({stray: np.zeros(64, np.float32)}))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj.bias"):
+        load_model(directory)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jpaged.config import ModelConfig
 from jpaged.kv_cache import KVCache, init_cache
-from jpaged.models import AttentionMetadata, LlamaForCausalLM, load_model
+from jpaged.models import AttentionMetadata, LlamaForCausalLM, attention, load_model
 from jpaged.models.layers import RMSNorm, rotary_cos_sin
 from pallas_kernels.reference import apply_rotary
 from tests.hf_fixtures import FLOAT32_CHECKPOINTS, VOCAB_SIZE
@@ -40,7 +40,10 @@ def _forward(graphdef, state, token_ids, positions, cache, metadata):
 class PagedRun:
     """Drives a model over a few sequences with a randomly permuted block table."""
 
-    def __init__(self, model, config: ModelConfig, num_seqs: int, seed: int):
+    def __init__(self, model, config: ModelConfig, num_seqs: int, seed: int,
+                 backend: str = "reference"):
+        self.backend = backend
+        self.interpret = backend != "reference" and jax.default_backend() == "cpu"
         self.graphdef, self.state = nnx.split(model)
         cache = init_cache(config.num_hidden_layers, config.num_key_value_heads, NUM_BLOCKS,
                            BLOCK_SIZE, config.head_dim, model.dtype)
@@ -86,7 +89,7 @@ class PagedRun:
             block_tables=jnp.asarray(tables, jnp.int32),
             context_lens=jnp.asarray(context_lens, jnp.int32),
             query_start_loc=jnp.asarray(query_start_loc, jnp.int32),
-            is_decode=is_decode)
+            is_decode=is_decode, backend=self.backend, interpret=self.interpret)
         ids = jnp.asarray(list(token_ids) + [0] * pad, jnp.int32)
         pos = jnp.asarray(np.concatenate([positions, np.zeros(pad, np.int32)]), jnp.int32)
         logits, self.cache = _forward(self.graphdef, self.state, ids, pos, self.cache, metadata)
@@ -141,12 +144,31 @@ def test_chunked_prefill_attends_to_cached_chunk(hf_checkpoints, name):
         assert _rel_err(np.concatenate([head, tail]), _hf_logits(path, prompt)) < 1e-4
 
 
+def _pallas_cases():
+    """(backend, checkpoint) for the Pallas kernels on models that slide a window (and soft-cap
+    scores: Gemma 2), each skipped until that backend's kernels take both arguments."""
+    for backend in ("pallas_gpu", "pallas_tpu"):
+        ready = all(attention.kernels_support(backend, option)
+                    for option in ("sliding_window", "logits_soft_cap"))
+        for name in ("mistral_window", "gemma2"):
+            yield pytest.param(name, backend, marks=pytest.mark.skipif(
+                not ready, reason=f"{backend} kernels take no sliding_window/logits_soft_cap yet"))
+
+
 @pytest.mark.parametrize("name", GREEDY_CHECKPOINTS)
 def test_greedy_decode_matches_generate(hf_checkpoints, name):
-    path = hf_checkpoints[name]
+    _check_greedy_decode(hf_checkpoints[name], "reference")
+
+
+@pytest.mark.parametrize("name, backend", list(_pallas_cases()))
+def test_greedy_decode_with_windows_on_pallas_kernels(hf_checkpoints, name, backend):
+    _check_greedy_decode(hf_checkpoints[name], backend)
+
+
+def _check_greedy_decode(path: str, backend: str):
     model, config = _jpaged(path)
     prompts = _prompts(seed=4)
-    run = PagedRun(model, config, len(prompts), seed=5)
+    run = PagedRun(model, config, len(prompts), seed=5, backend=backend)
     last = [logits[-1] for logits in run.prefill([(prompt, 0) for prompt in prompts])]
     generated = [[int(np.argmax(row))] for row in last]
     for step in range(NEW_TOKENS - 1):
@@ -156,7 +178,7 @@ def test_greedy_decode_matches_generate(hf_checkpoints, name):
             tokens.append(int(np.argmax(row)))
     for tokens, expected in zip(generated, _hf_generate(path, prompts)):
         assert len(expected) > 0
-        assert tokens[:len(expected)] == expected
+        assert tokens[:len(expected)] == expected, backend
 
 
 def _hf_generate(path: str, prompts) -> list[list[int]]:
@@ -206,14 +228,14 @@ def test_parameter_shapes_follow_config(arch, biases):
     qkv_bias, o_proj_bias, mlp_bias = biases
     config = ModelConfig(architecture=arch, vocab_size=50, hidden_size=32, intermediate_size=48,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=12, max_position_embeddings=64, qkv_bias=qkv_bias,
+                         head_dim=16, max_position_embeddings=64, qkv_bias=qkv_bias,
                          o_proj_bias=o_proj_bias, mlp_bias=mlp_bias,
                          tie_word_embeddings=arch == "Qwen2ForCausalLM")
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.bfloat16,
                                                     rngs=nnx.Rngs(0)))
     assert (model.lm_head is None) == config.tie_word_embeddings
     attn = model.model.layers[1].self_attn
-    assert attn.qkv_proj.weight.shape == (32, 48 + 2 * 24)   # [in, out]: q, k, v packed
+    assert attn.qkv_proj.weight.shape == (32, 64 + 2 * 32)   # [in, out]: q, k, v packed
     assert model.model.layers[1].mlp.gate_up_proj.weight.shape == (32, 2 * 48)
     assert model.model.layers[1].mlp.down_proj.weight.shape == (48, 32)
     assert (model.lm_head or model.model.embed_tokens).weight.shape == (50, 32)
@@ -248,3 +270,29 @@ def test_rms_norm_hand_worked():
     norm = RMSNorm(2, eps=0.0, dtype=jnp.float32)
     out = np.asarray(norm(jnp.array([[3.0, 4.0]])))
     np.testing.assert_allclose(out, [[3.0, 4.0]] / np.sqrt(12.5), rtol=1e-6)
+
+
+def test_phi3_longrope_tables_match_transformers_on_both_sides_of_the_switch(hf_checkpoints):
+    """Rotations by position: short factors below original_max_position_embeddings, long from
+    there, each scaled by the attention factor, partial rotation spread over the packed dims.
+
+    (Greedy parity holds while a sequence fits below that length, the parametrized tests above.
+    Past it, transformers re-encodes the whole sequence with the long factors: Phi-3's generate
+    drops its cache at the crossing. A paged cache whose blocks sequences share cannot re-rotate
+    one sequence's prefix, so here a token's rotation depends on its position only.)"""
+    from tests.hf_fixtures import PHI3_ORIGINAL_MAX
+
+    path = hf_checkpoints["phi3"]
+    model, config = _jpaged(path)
+    (rotary,) = model.model.rotaries
+    half, pad = len(rotary.inv_frequencies), config.head_dim // 2 - len(rotary.inv_frequencies)
+    rotated = np.r_[0:half, half + pad:2 * half + pad]   # where the 18 rotated dims are packed
+    for position in (0, 5, PHI3_ORIGINAL_MAX - 1, PHI3_ORIGINAL_MAX, 3 * PHI3_ORIGINAL_MAX):
+        with torch.no_grad():   # one position per call: transformers picks the set by it
+            hf_cos, hf_sin = _transformers(path).model.rotary_emb(
+                torch.zeros(1, 1, config.hidden_size), torch.tensor([[position]]))
+        cos, sin = map(np.asarray, rotary.cos_sin(jnp.array([position], jnp.int32)))
+        np.testing.assert_allclose(cos[0, rotated], hf_cos[0, 0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(sin[0, rotated], hf_sin[0, 0].numpy(), atol=1e-5)
+        passed = np.setdiff1d(np.arange(config.head_dim), rotated)
+        assert (cos[0, passed] == 1).all() and (sin[0, passed] == 0).all()

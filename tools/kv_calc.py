@@ -50,7 +50,9 @@ def format_report(model: str, dtype: str, numbers: dict, args) -> str:
         f"{numbers['prefix_bytes_unshared'] / gb:.2f} GB unshared, "
         f"{numbers['prefix_bytes_shared'] / gb:.2f} GB shared "
         f"({numbers['prefix_bytes_shared_paged'] / gb:.2f} GB in whole blocks)",
-    ])
+    ] + ([f"  {numbers['sliding_layers']} layers slide a {numbers['sliding_window']}-token "
+          "window; the cache still holds every token in every layer"]
+         if numbers["sliding_layers"] else []))
 
 
 def main(argv=None) -> int:
@@ -60,6 +62,8 @@ def main(argv=None) -> int:
         dtype = normalize_dtype(args.dtype)
         numbers = kv_footprint(config, tokens=args.tokens, block_size=args.block_size,
                                dtype=dtype, users=args.users, shared_prefix=args.shared_prefix)
+        numbers.update(sliding_layers=config.num_sliding_layers,
+                       sliding_window=config.sliding_window if config.num_sliding_layers else None)
     except (ValueError, FileNotFoundError) as err:
         print(f"kv_calc: error: {err}", file=sys.stderr)
         return 2

@@ -1,12 +1,13 @@
-"""Building blocks of a Llama-family decoder: Linear, RMSNorm, rotary tables, gated MLP.
+"""Building blocks of a Llama-family decoder: Linear, RMSNorm (and Gemma's), rotary tables,
+gated MLP.
 
-Weights keep Hugging Face's layout ([out, in] for a Linear) so checkpoints load without a
-transpose; the matmul contracts the `in` axis directly, which XLA lowers to the same GEMM.
+Projection weights are stored [in, out], the transpose of Hugging Face's (why: `packing`).
 A packed Linear (`jpaged.models.packing`) holds several Hugging Face projections' rows.
 Axis names: T tokens, E hidden size, F intermediate size, H query heads, K kv heads, D head dim,
 P tensor-parallel shards.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -87,16 +88,46 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed
 
 
+class GemmaRMSNorm(nnx.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, then cast back; the weight
+    starts at zero (as transformers' Gemma2RMSNorm / Gemma3RMSNorm)."""
+
+    def __init__(self, hidden_size: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((hidden_size,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(variance + self.eps)
+        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def rms_norm(size: int, config, dtype):
+    """The RMSNorm the config's architecture uses, over the last axis of `size`."""
+    norm = GemmaRMSNorm if config.is_gemma else RMSNorm
+    return norm(size, eps=config.rms_norm_eps, dtype=dtype)
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class GatedMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)): E -> F -> E, gate and up packed in one `gate_up_proj`
-    (rows in `packing.gate_up_packing(F, shards)` order)."""
+    """down(act(gate(x)) * up(x)): E -> F -> E, gate and up packed in one `gate_up_proj`
+    (rows in `packing.gate_up_packing(F, shards)` order). act: silu (SwiGLU) or tanh-approximated
+    gelu (Gemma's GeGLU). gate_up_packing: how the checkpoint's tensors pack (default: separate
+    gate and up)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, use_bias: bool, dtype,
-                 rngs: nnx.Rngs, shards: int = 1):
+                 rngs: nnx.Rngs, shards: int = 1, activation: str = "silu",
+                 gate_up_packing=None):
         kwargs = dict(use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.blocks = packing.gate_up_shards(intermediate_size, shards)
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, **kwargs,
-                                   packing=packing.gate_up_packing(intermediate_size, shards))
+        self.activation = activation
+        self.gate_up_proj = Linear(
+            hidden_size, 2 * intermediate_size, **kwargs,
+            packing=gate_up_packing or packing.gate_up_packing(intermediate_size, shards))
         self.down_proj = Linear(intermediate_size, hidden_size, **kwargs)
 
     def __call__(self, x):
@@ -105,7 +136,7 @@ class GatedMLP(nnx.Module):
         gate_up = self.gate_up_proj(x).reshape(*lead, self.blocks, 2, -1)   # [..., P, 2, F/P]
         gate = gate_up[..., 0, :].reshape(*lead, -1)                       # [..., F]
         up = gate_up[..., 1, :].reshape(*lead, -1)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(_ACTIVATIONS[self.activation](gate) * up)
 
 
 def rotary_cos_sin(positions, inv_frequencies: np.ndarray):
@@ -118,3 +149,47 @@ def rotary_cos_sin(positions, inv_frequencies: np.ndarray):
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)                   # [T, D]
     return jnp.cos(angles), jnp.sin(angles)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """One rotary embedding's tables, static (a model holds it as a plain, hashable attribute).
+
+    inv_frequencies [R/2] for the R rotated dims of a D-dim head. With R < D (partial rotation,
+    Phi-3) the packed projection puts the rotated dims at [0, R/2) and [D/2, D/2 + R/2) of each
+    query and key head (`packing.qkv_packing`), so the half-split rotation over all D dims pairs
+    them as transformers does over R, and the others get angle zero (cos 1, sin 0).
+    long_inv_frequencies: longrope's set, for positions >= long_from (a token's rotation then
+    depends on its position only, so cached keys stay valid under chunking and recompute).
+    scaling multiplies the rotated dims' cos and sin (longrope's attention factor).
+    """
+    inv_frequencies: tuple
+    head_dim: int
+    long_inv_frequencies: tuple | None = None
+    long_from: int = 0
+    scaling: float = 1.0
+
+    @classmethod
+    def from_config(cls, rope, head_dim: int) -> "Rotary":
+        """From a `config.RopeConfig`."""
+        long = rope.long_inv_frequencies(head_dim)
+        return cls(tuple(rope.inv_frequencies(head_dim).tolist()), head_dim,
+                   None if long is None else tuple(long.tolist()),
+                   rope.original_max_position_embeddings, rope.attention_scaling)
+
+    def cos_sin(self, positions):
+        """positions [T] int32 -> (cos, sin), each [T, D] float32."""
+        cos, sin = rotary_cos_sin(positions, self.inv_frequencies)            # [T, R]
+        if self.long_inv_frequencies is not None:
+            long_cos, long_sin = rotary_cos_sin(positions, self.long_inv_frequencies)
+            is_long = (positions >= self.long_from)[:, None]
+            cos, sin = jnp.where(is_long, long_cos, cos), jnp.where(is_long, long_sin, sin)
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        half, rest = len(self.inv_frequencies), self.head_dim // 2 - len(self.inv_frequencies)
+        if rest:
+            def spread(table, fill):
+                pad = jnp.full((table.shape[0], rest), fill, table.dtype)
+                return jnp.concatenate([table[:, :half], pad, table[:, half:], pad], axis=-1)
+            cos, sin = spread(cos, 1.0), spread(sin, 0.0)
+        return cos, sin

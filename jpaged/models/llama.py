@@ -1,14 +1,19 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3) over the paged KV
+cache.
 
 One class serves every architecture; the config says which projections carry a bias, whether
-the embeddings are tied and how RoPE is scaled. Module attribute names mirror Hugging Face's
-parameter names (`model.layers.3.self_attn.o_proj.weight`), except that q/k/v and gate/up are
-packed (`qkv_proj`, `gate_up_proj`; see `jpaged.models.packing`), which the loader maps.
+the embeddings are tied, how RoPE is scaled, and which layers slide a window, norm their query
+and key heads or soft-cap their scores. Gemma decoders (`ModelConfig.is_gemma`) differ in their
+block (`GemmaDecoderLayer`: norms before and after attention and the MLP), their norms
+((1 + weight)) and their scaled embeddings. Module attribute names mirror Hugging Face's parameter
+names (`model.layers.3.self_attn.o_proj.weight`), except that q/k/v and gate/up are packed
+(`qkv_proj`, `gate_up_proj`; see `jpaged.models.packing`), which the loader maps.
 Axis names: T tokens, E hidden size, V vocab, H query heads, K kv heads, C cache kv heads
 (K, or one per shard when tensor-parallel shards outnumber K), D head dim, P shards.
 """
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jpaged import kv_cache as kv
@@ -16,11 +21,12 @@ from jpaged import parallel
 from jpaged.config import ModelConfig
 from jpaged.models import packing
 from jpaged.models.attention import AttentionMetadata, paged_attention
-from jpaged.models.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, rotary_cos_sin
+from jpaged.models.layers import Embedding, GatedMLP, Linear, LMHead, Rotary, rms_norm
 
 
 class LlamaAttention(nnx.Module):
-    """Project, rotate, write this step's K/V into layer `layer_index`'s pages, attend, project."""
+    """Project, (norm q/k,) rotate, write this step's K/V into layer `layer_index`'s pages,
+    attend, project."""
 
     def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs,
                  mesh=None):
@@ -29,18 +35,30 @@ class LlamaAttention(nnx.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.scale = config.attention_scale
+        self.sliding_window = config.layer_window(layer_index)
+        self.logits_soft_cap = config.attn_logit_softcapping
         self.shards = parallel.mesh_size(mesh)
         self.num_cache_kv_heads = parallel.num_cache_kv_heads(self.num_kv_heads, mesh)
-        qkv = packing.qkv_packing(self.num_heads, self.num_kv_heads, self.head_dim, self.shards)
+        qkv = packing.model_qkv_packing(config, self.shards)
         self.qkv_proj = Linear(config.hidden_size, len(qkv.rows), use_bias=config.qkv_bias,
                                dtype=dtype, rngs=rngs, packing=qkv)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
                              use_bias=config.o_proj_bias, dtype=dtype, rngs=rngs)
+        has_norms = config.qk_norm
+        self.q_norm = rms_norm(self.head_dim, config, dtype) if has_norms else None
+        self.k_norm = rms_norm(self.head_dim, config, dtype) if has_norms else None
 
     def packed_heads(self, x):
         """x [..., E] -> the packed projection as [..., P, H/P + 2C/P, D]: per shard, its query
-        heads, then its cache kv heads' keys, then their values (`packing.qkv_packing`)."""
-        return self.qkv_proj(x).reshape(*x.shape[:-1], self.shards, -1, self.head_dim)
+        heads, then its cache kv heads' keys, then their values (`packing.qkv_packing`); query
+        and key heads normed when the model norms them."""
+        qkv = self.qkv_proj(x).reshape(*x.shape[:-1], self.shards, -1, self.head_dim)
+        if self.q_norm is None:
+            return qkv
+        local_q, local_kv = self.num_heads // self.shards, self.num_cache_kv_heads // self.shards
+        q, k, v = jnp.split(qkv, [local_q, local_q + local_kv], axis=-2)
+        return jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=-2)
 
     def project_qkv(self, x):
         """x [..., E] -> q [..., H, D], k and v [..., C, D], before rotation (for dense uses,
@@ -59,7 +77,9 @@ class LlamaAttention(nnx.Module):
             cache, self.layer_index, self.packed_heads(x), cos, sin, metadata.slot_mapping,
             backend=metadata.backend, interpret=metadata.interpret, mesh=self.mesh)
         out = paged_attention(q, cache.k_pages[self.layer_index], cache.v_pages[self.layer_index],
-                              metadata, scale=self.head_dim ** -0.5, mesh=self.mesh)
+                              metadata, scale=self.scale, mesh=self.mesh,
+                              sliding_window=self.sliding_window,
+                              logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(out.reshape(num_tokens, -1)), cache
 
 
@@ -68,13 +88,10 @@ class LlamaDecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs,
                  mesh=None):
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
+        self.input_layernorm = rms_norm(config.hidden_size, config, dtype)
         self.self_attn = LlamaAttention(config, layer_index, dtype=dtype, rngs=rngs, mesh=mesh)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
-                            use_bias=config.mlp_bias, dtype=dtype, rngs=rngs,
-                            shards=parallel.mesh_size(mesh))
+        self.post_attention_layernorm = rms_norm(config.hidden_size, config, dtype)
+        self.mlp = _mlp(config, dtype, rngs, mesh)
 
     def __call__(self, x, cos, sin, cache, metadata):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata)
@@ -82,22 +99,67 @@ class LlamaDecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
+class GemmaDecoderLayer(nnx.Module):
+    """Gemma 2/3's block, normed on both sides: x + post_attn(attn(input(x))), then
+    h + post_ff(mlp(pre_ff(h))) (so `post_attention_layernorm` follows attention here)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, *, dtype, rngs: nnx.Rngs,
+                 mesh=None):
+        self.input_layernorm = rms_norm(config.hidden_size, config, dtype)
+        self.self_attn = LlamaAttention(config, layer_index, dtype=dtype, rngs=rngs, mesh=mesh)
+        self.post_attention_layernorm = rms_norm(config.hidden_size, config, dtype)
+        self.pre_feedforward_layernorm = rms_norm(config.hidden_size, config, dtype)
+        self.mlp = _mlp(config, dtype, rngs, mesh)
+        self.post_feedforward_layernorm = rms_norm(config.hidden_size, config, dtype)
+
+    def __call__(self, x, cos, sin, cache, metadata):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata)
+        x = x + self.post_attention_layernorm(attn_out)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp_out), cache
+
+
+def _mlp(config: ModelConfig, dtype, rngs, mesh) -> GatedMLP:
+    shards = parallel.mesh_size(mesh)
+    return GatedMLP(config.hidden_size, config.intermediate_size, use_bias=config.mlp_bias,
+                    dtype=dtype, rngs=rngs, shards=shards, activation=config.hidden_act,
+                    gate_up_packing=packing.model_gate_up_packing(config, shards))
+
+
 class LlamaModel(nnx.Module):
-    """Embedding, decoder layers, final norm (Hugging Face's `model.` prefix)."""
+    """Embedding, decoder layers, final norm (Hugging Face's `model.` prefix).
+
+    rotaries: each distinct rotary embedding once (Gemma 3: one for sliding layers, one for the
+    others); layer i rotates with rotaries[rotary_of_layer[i]], tables computed once per step.
+    """
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
-        self.inv_frequencies = tuple(config.rope.inv_frequencies(config.head_dim).tolist())
+        layer_rotaries = [Rotary.from_config(config.layer_rope(i), config.head_dim)
+                          for i in range(config.num_hidden_layers)]
+        self.rotaries = tuple(dict.fromkeys(layer_rotaries))
+        self.rotary_of_layer = tuple(self.rotaries.index(r) for r in layer_rotaries)
+        # Gemma: embeddings times sqrt(E), rounded to the model dtype first (as transformers)
+        self.embedding_scale = (float(np.float32(config.hidden_size ** 0.5))
+                                if config.is_gemma else None)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                       rngs=rngs)
-        self.layers = nnx.List([LlamaDecoderLayer(config, i, dtype=dtype, rngs=rngs, mesh=mesh)
+        layer_class = GemmaDecoderLayer if config.is_gemma else LlamaDecoderLayer
+        self.layers = nnx.List([layer_class(config, i, dtype=dtype, rngs=rngs, mesh=mesh)
                                 for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.norm = rms_norm(config.hidden_size, config, dtype)
+
+    @property
+    def inv_frequencies(self) -> tuple:
+        """The first layer's inverse frequencies [D/2] (tools/train_tiny.py's dense rotation)."""
+        return self.rotaries[self.rotary_of_layer[0]].inv_frequencies
 
     def __call__(self, token_ids, positions, cache, metadata):
         x = self.embed_tokens(token_ids)                                # [T, E]
-        cos, sin = rotary_cos_sin(positions, self.inv_frequencies)     # [T, D], shared by layers
-        for layer in self.layers:
-            x, cache = layer(x, cos, sin, cache, metadata)
+        if self.embedding_scale is not None:
+            x = x * jnp.asarray(self.embedding_scale, x.dtype)
+        tables = [rotary.cos_sin(positions) for rotary in self.rotaries]   # each [T, D] x 2
+        for layer, rotary in zip(self.layers, self.rotary_of_layer):
+            x, cache = layer(x, *tables[rotary], cache, metadata)
         return self.norm(x), cache
 
 
@@ -105,7 +167,7 @@ class LlamaForCausalLM(nnx.Module):
     """A Llama-family causal LM whose attention reads and writes the paged KV cache."""
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
-        """Random init (normal, std 0.02; norms one); `dtype` is the parameter dtype.
+        """Random init (normal, std 0.02; norms the identity); `dtype` is the parameter dtype.
 
         mesh: the tensor-parallel mesh the parameters are (to be) sharded over (see
         `jpaged.parallel`); attention then runs its kernels per device. None: one device.
@@ -113,6 +175,7 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.mesh = mesh
+        self.final_logit_softcapping = config.final_logit_softcapping
         self.model = LlamaModel(config, dtype=self.dtype, rngs=rngs, mesh=mesh)
         self.lm_head = None if config.tie_word_embeddings else LMHead(
             config.hidden_size, config.vocab_size, dtype=self.dtype, rngs=rngs)
@@ -128,7 +191,10 @@ class LlamaForCausalLM(nnx.Module):
         return self.model(token_ids, positions, kv_cache, metadata)
 
     def compute_logits(self, hidden):
-        """hidden [..., E] -> logits [..., V] in float32 (accumulated in float32)."""
+        """hidden [..., E] -> logits [..., V] in float32 (accumulated in float32), soft-capped
+        by c * tanh(logits / c) when the model caps them (Gemma 2)."""
         weight = (self.model.embed_tokens.weight if self.lm_head is None
                   else self.lm_head.weight)[...]                          # [V, E]
-        return jnp.einsum("...e,ve->...v", hidden, weight, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...e,ve->...v", hidden, weight, preferred_element_type=jnp.float32)
+        cap = self.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

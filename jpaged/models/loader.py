@@ -9,9 +9,10 @@ Parameters are built straight from the tensors: the model is traced abstractly
 tensor at a time (a packed q/k/v or gate/up parameter once its parts are read, see
 `jpaged.models.packing`), so host memory peaks at about one layer's tensors rather than a second
 copy of the model. `checkpoint_tensors` goes the other way.
-Every tensor's name and shape is checked against the config before any is read. (An orbax
-folder is restored in one call, so it peaks at a host copy of the model: fine for the small
-models saved that way.)
+Every tensor's name, shape and dtype is checked against the config (from the safetensors
+headers) before any is read, so a bad checkpoint fails before any device memory is taken. (An
+orbax folder is restored in one call, so it peaks at a host copy of the model: fine for the
+small models saved that way.)
 """
 
 import dataclasses
@@ -41,6 +42,7 @@ DUMMY_STDDEV = 0.02
 # Checkpoint tensors that are safe to skip: rotary tables, which are recomputed from the config.
 # (A tied model's saved `lm_head.weight`, a copy of the embedding, is skipped too.)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
 
 
 def load_model(model_dir, *, dtype="auto", load_format="auto",
@@ -85,9 +87,11 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
     if _is_orbax(model_dir):
         state = _read_orbax_state(targets, model_dir / ORBAX_DIR, config, place)
     else:
-        tensor_files = _tensor_files(model_dir)
+        prefix = config.checkpoint_prefix
+        tensor_files = _tensor_files(model_dir, prefix)
         _check_names(targets.shapes, tensor_files, config, model_dir)
-        state = _read_state(targets, tensor_files, place)
+        _check_headers(targets.shapes, tensor_files, prefix)
+        state = _read_state(targets, tensor_files, place, prefix)
     return nnx.merge(targets.graphdef, state), config
 
 
@@ -146,8 +150,8 @@ def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, jax.Array]:
 
 def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> LlamaForCausalLM:
     """A model of random weights (load_format "dummy"), drawn on the device tensor by tensor:
-    matrices normal with std DUMMY_STDDEV (the model's own init scale), norm weights one, biases
-    zero.
+    matrices normal with std DUMMY_STDDEV (the model's own init scale), norms the identity
+    (weights one; zero for Gemma's (1 + weight) norms), biases zero.
 
     A tensor's values depend only on the seed and its place in name order, not on the mesh (JAX's
     partitionable threefry), so every tensor_parallel_size serves the same model. With a mesh,
@@ -162,8 +166,9 @@ def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> L
     root = jax.random.key(seed)
     loaded = []
     for name, (path, var, packed) in targets.params.items():
-        kind = ("ones" if name.endswith("norm.weight") else "zeros" if name.endswith(".bias")
-                else "normal")
+        is_norm = name.endswith("norm.weight")
+        kind = ("zeros" if name.endswith(".bias") or (is_norm and config.is_gemma)
+                else "ones" if is_norm else "normal")
         parts = (name,) if packed is None else packed.parts
         sharding = (None if mesh is None
                     else parallel.param_sharding(name, var.get_value().shape, config, mesh))
@@ -235,8 +240,9 @@ def _merged_eos_ids(model_dir: Path, config: ModelConfig) -> tuple:
     return tuple(dict.fromkeys(config.eos_token_ids + generation_eos))
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Every checkpoint tensor name -> the safetensors file holding it."""
+def _tensor_files(model_dir: Path, prefix: str = "") -> dict[str, Path]:
+    """Every checkpoint tensor name under `prefix` (the name after it) -> the safetensors file
+    holding it."""
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
         try:
@@ -246,12 +252,13 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
         for shard in sorted(set(weight_map.values())):
             if not (model_dir / shard).is_file():
                 raise FileNotFoundError(f"shard {shard} named in {index_path} not found")
-        return {name: model_dir / shard for name, shard in weight_map.items()}
+        return {name[len(prefix):]: model_dir / shard for name, shard in weight_map.items()
+                if name.startswith(prefix)}
     single = model_dir / SINGLE_FILE
     if not single.is_file():
         raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or orbax {ORBAX_DIR}/ folder "
                                 f"in {model_dir}")
-    with _open(single) as reader:
+    with _open(single, prefix) as reader:
         return {name: single for name in reader.keys()}
 
 
@@ -269,16 +276,32 @@ def _check_names(wanted: dict, tensor_files: dict, config: ModelConfig, model_di
                          f"e.g. {unexpected[:5]}")
 
 
-def _read_state(targets: _Targets, tensor_files: dict, place):
-    """The filled nnx state: each file opened once, each tensor read, cast and `place`d."""
+def _check_headers(wanted: dict, tensor_files: dict, prefix: str):
+    """Every wanted tensor is in its file, floating point and of the shape the config implies,
+    read from the files' headers alone: a bad tensor fails before any is placed on a device."""
+    for file, names in _group_by_file(tensor_files, wanted).items():
+        with _open(file, prefix) as reader:
+            present = set(reader.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"{file}: tensor {name}, listed in the index, is not in it")
+                header = reader.get_slice(name)
+                shape, expected = tuple(header.get_shape()), tuple(wanted[name].shape)
+                if shape != expected:
+                    raise ValueError(f"{file}: tensor {name} has shape {shape}, the config "
+                                     f"implies {expected}")
+                if header.get_dtype() not in _FLOAT_DTYPES:
+                    raise ValueError(f"{file}: tensor {name} has dtype {header.get_dtype()}, "
+                                     f"expected one of {', '.join(_FLOAT_DTYPES)}")
+
+
+def _read_state(targets: _Targets, tensor_files: dict, place, prefix: str):
+    """The filled nnx state: each file opened once, each tensor read, cast and `place`d (their
+    names, shapes and dtypes already checked: `_check_headers`)."""
     def tensors():
         for file, names in _group_by_file(tensor_files, targets.shapes).items():
-            with _open(file) as reader:
-                present = set(reader.keys())
+            with _open(file, prefix) as reader:
                 for name in names:
-                    if name not in present:
-                        raise ValueError(f"{file}: tensor {name}, listed in the index, is not "
-                                         "in it")
                     yield name, _read_tensor(reader, name, file, targets.shapes[name])
     return targets.assemble(tensors(), place)
 
@@ -290,11 +313,36 @@ def _group_by_file(tensor_files: dict, wanted: dict) -> dict[Path, list[str]]:
     return by_file
 
 
-def _open(file: Path):
+def _open(file: Path, prefix: str = ""):
     try:
-        return safe_open(str(file), framework="numpy")
+        return _Prefixed(safe_open(str(file), framework="numpy"), prefix)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{file}: not a readable safetensors file ({err})") from err
+
+
+class _Prefixed:
+    """A safetensors file seen through `prefix`: only the tensors named under it, by their names
+    after it ("" sees everything as it is)."""
+
+    def __init__(self, handle, prefix: str):
+        self.handle, self.prefix = handle, prefix
+
+    def __enter__(self):
+        self.reader = self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        return self.handle.__exit__(*exc_info)
+
+    def keys(self) -> list[str]:
+        return [name[len(self.prefix):] for name in self.reader.keys()
+                if name.startswith(self.prefix)]
+
+    def get_slice(self, name: str):
+        return self.reader.get_slice(self.prefix + name)
+
+    def get_tensor(self, name: str):
+        return self.reader.get_tensor(self.prefix + name)
 
 
 def _read_tensor(reader, name: str, file: Path, expected: jax.ShapeDtypeStruct) -> np.ndarray:

@@ -13,7 +13,8 @@ of up's (gate/up). The column-parallel split is then local, and reshaping the pr
 [..., P, rows per shard] recovers each part. With more shards than kv heads, every shard holds
 the K/V rows of the kv head it reads (`parallel.num_cache_kv_heads`), so those rows appear more
 than once. Everything outside the model (checkpoints, transformers, the loader's checks) sees
-Hugging Face's names; `Packing` converts both ways.
+Hugging Face's names; `Packing` converts both ways. A checkpoint that is already packed (Phi-3's
+`qkv_proj` and `gate_up_proj`) is a Packing of one part.
 
 Layout: the projections' weights (`is_transposed`) are stored [in, out], the transpose of the
 checkpoints' (torch.nn.Linear's) [out, in], because cuBLAS reads them faster at decode batch
@@ -67,9 +68,16 @@ def _concatenate(arrays):
     return jnp.concatenate(arrays, axis=0)
 
 
-def qkv_packing(num_heads: int, num_kv_heads: int, head_dim: int, shards: int) -> Packing:
+def qkv_packing(num_heads: int, num_kv_heads: int, head_dim: int, shards: int, *,
+                rotary_dim: int | None = None, fused: bool = False) -> Packing:
     """q [H*D], k [K*D], v [K*D] rows -> shards x (H/P query heads, C/P kv heads of K, of V),
-    C = max(K, P) cache kv heads (a kv head repeated on every shard that reads it)."""
+    C = max(K, P) cache kv heads (a kv head repeated on every shard that reads it).
+
+    rotary_dim R < D (partial rotation): each query and key head's dims are reordered so the
+    rotated ones sit at [0, R/2) and [D/2, D/2 + R/2) (`layers.Rotary`); queries and keys share
+    the order, so their dot products are unchanged. fused: one checkpoint part `qkv_proj`
+    holding q, k and v stacked (Phi-3), instead of three.
+    """
     cache_heads = max(num_kv_heads, shards)
     local_q, local_kv = num_heads // shards, cache_heads // shards
     heads = []  # row offsets of each head, in packed order
@@ -78,9 +86,23 @@ def qkv_packing(num_heads: int, num_kv_heads: int, head_dim: int, shards: int) -
         kv = [c * num_kv_heads // cache_heads
               for c in range(shard * local_kv, (shard + 1) * local_kv)]
         heads += [num_heads + g for g in kv] + [num_heads + num_kv_heads + g for g in kv]
-    rows = (np.asarray(heads)[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
-    return Packing(PACKED["qkv_proj"], (num_heads * head_dim, num_kv_heads * head_dim,
-                                        num_kv_heads * head_dim), tuple(rows.tolist()))
+    heads = np.asarray(heads)
+    dims = np.tile(np.arange(head_dim), (len(heads), 1))               # [heads, D]
+    is_rotated = heads < num_heads + num_kv_heads                      # queries and keys
+    dims[is_rotated] = _rotary_order(head_dim, rotary_dim or head_dim)
+    rows = (heads[:, None] * head_dim + dims).reshape(-1)
+    part_rows = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    if fused:
+        return Packing(("qkv_proj",), (sum(part_rows),), tuple(rows.tolist()))
+    return Packing(PACKED["qkv_proj"], part_rows, tuple(rows.tolist()))
+
+
+def _rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """[D] checkpoint dim at each packed dim: first halves of the rotated and the passed dims,
+    then their second halves (identity when every dim rotates)."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    rotated, passed = np.arange(rotary_dim), rotary_dim + np.arange(head_dim - rotary_dim)
+    return np.concatenate([rotated[:half], passed[:rest], rotated[half:], passed[rest:]])
 
 
 def gate_up_shards(intermediate_size: int, shards: int) -> int:
@@ -89,13 +111,27 @@ def gate_up_shards(intermediate_size: int, shards: int) -> int:
     return shards if intermediate_size % shards == 0 else 1
 
 
-def gate_up_packing(intermediate_size: int, shards: int) -> Packing:
-    """gate [F], up [F] rows -> blocks x (F/blocks of gate, the same of up)."""
+def gate_up_packing(intermediate_size: int, shards: int, *, fused: bool = False) -> Packing:
+    """gate [F], up [F] rows -> blocks x (F/blocks of gate, the same of up). fused: one
+    checkpoint part `gate_up_proj` holding gate then up (Phi-3)."""
     blocks = gate_up_shards(intermediate_size, shards)
     local = intermediate_size // blocks
-    rows = np.arange(2 * intermediate_size).reshape(2, blocks, local).transpose(1, 0, 2)
-    return Packing(PACKED["gate_up_proj"], (intermediate_size, intermediate_size),
-                   tuple(rows.reshape(-1).tolist()))
+    rows = tuple(np.arange(2 * intermediate_size).reshape(2, blocks, local).transpose(1, 0, 2)
+                 .reshape(-1).tolist())
+    if fused:
+        return Packing(("gate_up_proj",), (2 * intermediate_size,), rows)
+    return Packing(PACKED["gate_up_proj"], (intermediate_size, intermediate_size), rows)
+
+
+def model_qkv_packing(config, shards: int) -> Packing:
+    """The q/k/v packing of a `ModelConfig`'s attention (parts named as in its layer)."""
+    return qkv_packing(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                       shards, rotary_dim=config.rope.rotary_dim(config.head_dim),
+                       fused=config.has_fused_checkpoint)
+
+
+def model_gate_up_packing(config, shards: int) -> Packing:
+    return gate_up_packing(config.intermediate_size, shards, fused=config.has_fused_checkpoint)
 
 
 def packing_for(name: str, config, shards: int) -> Packing | None:
@@ -104,10 +140,9 @@ def packing_for(name: str, config, shards: int) -> Packing | None:
     module, _, kind = name.rpartition(".")
     prefix, _, layer = module.rpartition(".")
     if layer == "qkv_proj":
-        packing = qkv_packing(config.num_attention_heads, config.num_key_value_heads,
-                              config.head_dim, shards)
+        packing = model_qkv_packing(config, shards)
     elif layer == "gate_up_proj":
-        packing = gate_up_packing(config.intermediate_size, shards)
+        packing = model_gate_up_packing(config, shards)
     else:
         return None
     return packing.renamed(tuple(f"{prefix}.{part}.{kind}" for part in packing.parts))
