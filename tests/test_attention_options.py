@@ -1,7 +1,7 @@
-"""Per-layer attention options (sliding window, score soft cap): what reaches the kernels, and the
-jnp stand-in the reference backend runs until pallas_kernels takes both options."""
+"""Per-layer attention options (sliding window, score soft cap) as the model layer passes them to
+the kernels, and which backends can run which model."""
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +10,11 @@ import pytest
 
 import pallas_kernels
 from jpaged.models import AttentionMetadata, attention, paged_attention
-from pallas_kernels.testing import TOLERANCE, make_problem
+from pallas_kernels.testing import make_problem
 
-OPTIONS = ("sliding_window", "logits_soft_cap")
-REFERENCE_TAKES_OPTIONS = all(attention.kernels_support("reference", o) for o in OPTIONS)
 SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=jnp.float32)
-# jitted: op by op, the CPU spends seconds dispatching the gathers
-stand_in = jax.jit(attention.masked_reference_attention,
-                   static_argnames=("scale", "sliding_window", "logits_soft_cap"))
+attend_jit = jax.jit(paged_attention, static_argnames=("scale", "sliding_window",
+                                                       "logits_soft_cap"))
 
 
 def _metadata(problem, is_decode):
@@ -34,28 +31,7 @@ def _problems():
     return [(prefill, False), (decode, True)]
 
 
-def _rel_err(actual, expected):
-    return float(np.max(np.abs(np.asarray(actual) - np.asarray(expected)))
-                 / np.max(np.abs(np.asarray(expected))))
-
-
-@pytest.mark.parametrize("case", [0, 1], ids=["prefill", "decode"])
-def test_stand_in_equals_kernel_reference_without_options(case):
-    problem, is_decode = _problems()[case]
-    metadata = _metadata(problem, is_decode)
-    got = stand_in(problem.q, problem.k_pages, problem.v_pages,
-                                               metadata, scale=0.3)
-    if is_decode:
-        expected = jax.jit(functools.partial(pallas_kernels.reference.paged_attention_decode,
-                                             scale=0.3))(*problem.decode_args)
-    else:
-        expected = jax.jit(functools.partial(pallas_kernels.reference.paged_attention_prefill,
-                                             scale=0.3))(*problem.prefill_args)
-    assert np.isfinite(np.asarray(got)).all()
-    assert _rel_err(got, expected) < TOLERANCE[jnp.dtype(jnp.float32)]
-
-
-def test_stand_in_window_and_soft_cap_hand_worked():
+def test_window_and_soft_cap_hand_worked():
     """One kv head, one block of 8 tokens, a decode query at position 4 (context 5)."""
     values = np.arange(8, dtype=np.float32)[:, None] * np.ones((1, 8), np.float32)  # v_k = k
     keys = np.zeros((8, 8), np.float32)
@@ -68,8 +44,7 @@ def test_stand_in_window_and_soft_cap_hand_worked():
     q = jnp.asarray(np.eye(8, dtype=np.float32)[:1][None])                 # [1, 1, 8]
 
     def attend(**options):
-        out = stand_in(q, pages(keys), pages(values), metadata,
-                                                   scale=1.0, **options)
+        out = attend_jit(q, pages(keys), pages(values), metadata, scale=1.0, **options)
         return float(out[0, 0, 0])
 
     def expected(scores, positions):
@@ -86,28 +61,9 @@ def test_stand_in_window_and_soft_cap_hand_worked():
         expected(capped[3:], np.arange(3, 5)))
 
 
-@pytest.mark.skipif(not REFERENCE_TAKES_OPTIONS,
-                    reason="pallas_kernels.reference takes no sliding_window/logits_soft_cap yet")
-@pytest.mark.parametrize("case", [0, 1], ids=["prefill", "decode"])
-def test_stand_in_equals_kernel_reference_with_options(case):
-    problem, is_decode = _problems()[case]
-    options = dict(sliding_window=3, logits_soft_cap=2.0)
-    got = stand_in(problem.q, problem.k_pages, problem.v_pages,
-                                               _metadata(problem, is_decode), scale=0.3,
-                                               **options)
-    if is_decode:
-        expected = pallas_kernels.paged_attention_decode(*problem.decode_args, scale=0.3,
-                                                         **options)
-    else:
-        expected = pallas_kernels.paged_attention_prefill(*problem.prefill_args, scale=0.3,
-                                                          **options)
-    assert _rel_err(got, expected) < TOLERANCE[jnp.dtype(jnp.float32)]
-
-
 def test_options_reach_the_kernels_only_when_set(monkeypatch):
-    """Without options the kernel call is exactly as before; with them, the kernels get them
-    once they take them, and until then the reference backend runs the stand-in and the Pallas
-    backends refuse."""
+    """Without options the kernel call is exactly as before they existed; with them, the
+    kernels get them."""
     problem, _ = _problems()[1]
     calls = []
     real_decode = pallas_kernels.paged_attention_decode
@@ -124,16 +80,21 @@ def test_options_reach_the_kernels_only_when_set(monkeypatch):
     assert calls == [["backend", "interpret", "scale"]]
     calls.clear()
     attend(problem.q, problem.k_pages, problem.v_pages, metadata, scale=0.3,
-                    sliding_window=3, logits_soft_cap=2.0)
-    if REFERENCE_TAKES_OPTIONS:
-        assert calls == [["backend", "interpret", "logits_soft_cap", "scale", "sliding_window"]]
-    else:
-        assert calls == []
-    for backend in ("pallas_gpu", "pallas_tpu"):
-        if not attention.kernels_support(backend, "sliding_window"):
-            gpu_metadata = AttentionMetadata(*[getattr(metadata, f) for f in (
-                "slot_mapping", "block_tables", "context_lens", "query_start_loc")],
-                is_decode=True, backend=backend, interpret=True)
-            with pytest.raises(NotImplementedError, match=f"{backend}.*sliding_window"):
-                attend(problem.q, problem.k_pages, problem.v_pages, gpu_metadata, scale=0.3,
-                       sliding_window=3)
+           sliding_window=3, logits_soft_cap=2.0)
+    assert calls == [["backend", "interpret", "logits_soft_cap", "scale", "sliding_window"]]
+
+
+def test_unsupported_reason_checks_every_layer():
+    """A backend that cannot run a model says why, naming the property; windows are checked for
+    every layer kind the model has."""
+    from jpaged.config import ModelConfig
+
+    config = ModelConfig.preset("gemma-2-9b")
+    for backend in ("reference", "pallas_gpu", "pallas_tpu"):
+        assert attention.unsupported_reason(backend, config, dtype="bfloat16",
+                                            kv_dtype="bfloat16", block_size=16) is None
+    assert "head" in attention.unsupported_reason(
+        "pallas_gpu", dataclasses.replace(config, head_dim=264), dtype="bfloat16",
+        kv_dtype="bfloat16", block_size=16)
+    assert "block_size" in attention.unsupported_reason(
+        "pallas_gpu", config, dtype="bfloat16", kv_dtype="bfloat16", block_size=24)

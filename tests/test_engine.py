@@ -416,3 +416,27 @@ def test_a_step_enters_each_part_once_per_phase(hf_checkpoints):
     assert decode == ["Scheduler.schedule", "DecodePipeline.launch", "DecodePipeline.advance",
                       "OutputProcessor.process", "Scheduler.update"]
     run_to_completion(engine)
+
+
+def test_auto_never_picks_a_kernel_that_cannot_run_the_model(monkeypatch, caplog):
+    """On a GPU, "auto" passes over the Pallas GPU kernels for a model they cannot run (here a
+    block size that is not a power of two) and says which backend it took and why, once; asked
+    for by name, that backend is refused with the reason."""
+    import logging
+
+    from jpaged.config import ModelConfig
+    from jpaged.engine import builder
+
+    monkeypatch.setattr(builder.jax, "default_backend", lambda: "gpu")
+    config = ModelConfig.preset("tiny")
+    options = dict(dtype="float32", kv_dtype="float32")
+    assert builder.choose_attention_backend("auto", config, block_size=16, **options) == (
+        "pallas_gpu", False)
+    with caplog.at_level(logging.WARNING, logger=builder.__name__):
+        for _ in range(2):
+            assert builder.choose_attention_backend("auto", config, block_size=24,
+                                                    **options) == ("reference", False)
+    warnings = [r.getMessage() for r in caplog.records if "cannot run this model" in r.getMessage()]
+    assert len(warnings) == 1 and "'pallas_gpu'" in warnings[0] and "block_size" in warnings[0]
+    with pytest.raises(ValueError, match="'pallas_gpu' cannot run this model.*block_size"):
+        builder.choose_attention_backend("pallas_gpu", config, block_size=24, **options)

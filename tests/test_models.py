@@ -10,7 +10,7 @@ from flax import nnx
 
 from jpaged.config import ModelConfig
 from jpaged.kv_cache import KVCache, init_cache
-from jpaged.models import AttentionMetadata, LlamaForCausalLM, attention, load_model
+from jpaged.models import AttentionMetadata, LlamaForCausalLM, load_model
 from jpaged.models.layers import RMSNorm, rotary_cos_sin
 from pallas_kernels.reference import apply_rotary
 from tests.hf_fixtures import FLOAT32_CHECKPOINTS, VOCAB_SIZE
@@ -146,13 +146,9 @@ def test_chunked_prefill_attends_to_cached_chunk(hf_checkpoints, name):
 
 def _pallas_cases():
     """(backend, checkpoint) for the Pallas kernels on models that slide a window (and soft-cap
-    scores: Gemma 2), each skipped until that backend's kernels take both arguments."""
-    for backend in ("pallas_gpu", "pallas_tpu"):
-        ready = all(attention.kernels_support(backend, option)
-                    for option in ("sliding_window", "logits_soft_cap"))
-        for name in ("mistral_window", "gemma2"):
-            yield pytest.param(name, backend, marks=pytest.mark.skipif(
-                not ready, reason=f"{backend} kernels take no sliding_window/logits_soft_cap yet"))
+    scores: Gemma 2) or have a head size that is not a power of two (Phi-3)."""
+    return [(name, backend) for backend in ("pallas_gpu", "pallas_tpu")
+            for name in ("mistral_window", "gemma2", "phi3")]
 
 
 @pytest.mark.parametrize("name", GREEDY_CHECKPOINTS)

@@ -1,6 +1,8 @@
 """From options to an engine: model loading, the start-up decisions (attention backend, warm-up,
 lengths, KV dtype) and KV-pool sizing. The options themselves and their checks: `jpaged.options`."""
 
+import functools
+import logging
 from pathlib import Path
 
 import jax
@@ -8,8 +10,11 @@ import jax.numpy as jnp
 
 from jpaged import kv_cache, parallel
 from jpaged.config import normalize_dtype
+from jpaged.models.attention import unsupported_reason
 from jpaged.models.loader import load_model, load_tokenizer
 from jpaged.options import LOADING_OPTIONS, EngineConfig, OptionError, check_option, check_options
+
+logger = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_BYTES = 1 << 30       # no memory statistics on the CPU: a fixed 1 GiB pool at most
 ACTIVATION_SLACK_BYTES = 512 << 20  # allocator fragmentation, compiler scratch, kernels' partials
@@ -28,6 +33,28 @@ def resolve_attention_backend(name: str) -> tuple[str, bool]:
                          f"(or runs interpreted on the CPU), not for this {platform} backend; "
                          "use 'auto' or 'reference'")
     return name, name != "reference" and platform == "cpu"
+
+
+def choose_attention_backend(name: str, model_config, *, dtype, kv_dtype,
+                             block_size: int) -> tuple[str, bool]:
+    """`resolve_attention_backend`, checked against the model: a backend whose kernels cannot run
+    it (head size, dtype, block size, a layer's window or soft cap) is refused by name when asked
+    for, and passed over by "auto", which then takes the reference and says why, once."""
+    backend, interpret = resolve_attention_backend(name)
+    reason = unsupported_reason(backend, model_config, dtype=dtype, kv_dtype=kv_dtype,
+                                block_size=block_size)
+    if reason is None:
+        return backend, interpret
+    if name != "auto":
+        raise ValueError(f"attention_backend {backend!r} cannot run this model: {reason}")
+    _say_once(f"attention_backend 'auto': {backend!r} cannot run this model ({reason}); "
+              "using 'reference' (the jnp attention)")
+    return "reference", False
+
+
+@functools.cache
+def _say_once(message: str):
+    logger.warning(message)
 
 
 def default_model_dir() -> Path:
@@ -85,13 +112,14 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
     max_model_len = settings["max_model_len"] or model_config.max_model_len
     if max_model_len > model_config.max_model_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit "
-                         f"{model_config.max_model_len} (max_position_embeddings, or the "
-                         "sliding window, past which full attention would be wrong)")
+                         f"{model_config.max_model_len} (max_position_embeddings)")
     block_size, max_num_seqs = settings["block_size"], settings["max_num_seqs"]
     max_num_batched_tokens = settings["max_num_batched_tokens"] or max(2048, block_size)
     kv_dtype = (model.dtype.name if settings["kv_cache_dtype"] == "auto"
                 else normalize_dtype(settings["kv_cache_dtype"]))
-    backend, interpret = resolve_attention_backend(settings["attention_backend"])
+    backend, interpret = choose_attention_backend(
+        settings["attention_backend"], model_config, dtype=model.dtype, kv_dtype=kv_dtype,
+        block_size=block_size)
     num_kv_blocks = settings["num_kv_blocks"] or size_kv_pool(
         model_config, block_size=block_size, kv_dtype=kv_dtype, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,

@@ -3,22 +3,19 @@
 This is the only model module that imports `pallas_kernels`. The kernel is picked by
 `AttentionMetadata.backend` (the plain-jnp reference, or the Pallas GPU/TPU kernels, which run in
 interpret mode when `interpret` is set, e.g. on a CPU). Per layer, a model may ask for a
-sliding window and a score soft cap; until pallas_kernels takes those, the reference backend
-runs `masked_reference_attention` here instead and the Pallas backends refuse the model.
+sliding window and a score soft cap, which every kernel takes; `unsupported_reason` says before
+anything is built whether a backend's kernels can run a model at all.
 """
 
 import dataclasses
 import functools
-import inspect
 
 import jax
-import jax.numpy as jnp
 
 import pallas_kernels
 from jpaged import parallel
 
 BACKENDS = pallas_kernels.BACKENDS
-_EXACT = jax.lax.Precision.HIGHEST  # float32 matmuls in the stand-in reference, as the kernels'
 
 
 @jax.tree_util.register_dataclass
@@ -79,35 +76,22 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, scale: flo
     return local(q, k_pages, v_pages, metadata)
 
 
-def kernels_support(backend: str, option: str) -> bool:
-    """Whether pallas_kernels' `backend` takes the attention option `option` ('sliding_window',
-    'logits_soft_cap'): its decode and prefill kernels name it, and for the reference so does
-    the dispatcher (which refuses unnamed options for the reference)."""
-    kernels = _KERNELS[backend]
-    if backend == "reference":
-        kernels += (pallas_kernels.paged_attention_decode, pallas_kernels.paged_attention_prefill)
-    return all(option in inspect.signature(kernel).parameters for kernel in kernels)
-
-
-_KERNELS = {
-    "reference": (pallas_kernels.reference.paged_attention_decode,
-                  pallas_kernels.reference.paged_attention_prefill),
-    "pallas_gpu": (pallas_kernels.paged_attention_decode_gpu,
-                   pallas_kernels.paged_attention_prefill_gpu),
-    "pallas_tpu": (pallas_kernels.paged_attention_decode_tpu,
-                   pallas_kernels.paged_attention_prefill_tpu),
-}
+def unsupported_reason(backend: str, model_config, *, dtype, kv_dtype, block_size: int):
+    """None if `backend`'s kernels can run this model (head size, dtypes, block size, every
+    layer's window and soft cap), else the reason, as the kernels' own checks word it."""
+    windows = {model_config.layer_window(i) for i in range(model_config.num_hidden_layers)}
+    for window in sorted(windows, key=lambda w: -1 if w is None else w):
+        reason = pallas_kernels.unsupported_reason(
+            backend, head_dim=model_config.head_dim, dtype=dtype, kv_cache_dtype=kv_dtype,
+            block_size=block_size, sliding_window=window,
+            logits_soft_cap=model_config.attn_logit_softcapping)
+        if reason is not None:
+            return reason
+    return None
 
 
 def _attend(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float, **options):
     """The single place that binds a kernel implementation."""
-    missing = [name for name in options if not kernels_support(metadata.backend, name)]
-    if missing and metadata.backend != "reference":
-        raise NotImplementedError(
-            f"attention backend {metadata.backend!r} does not take {missing} yet (pallas_kernels "
-            "lacks the argument); this model needs it: use attention_backend='reference'")
-    if missing:
-        return masked_reference_attention(q, k_pages, v_pages, metadata, scale=scale, **options)
     options = dict(options, scale=scale, backend=metadata.backend, interpret=metadata.interpret)
     if metadata.is_decode:
         return pallas_kernels.paged_attention_decode(
@@ -115,50 +99,3 @@ def _attend(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float, **op
     return pallas_kernels.paged_attention_prefill(
         q, k_pages, v_pages, metadata.block_tables, metadata.context_lens,
         metadata.query_start_loc, **options)
-
-
-def masked_reference_attention(q, k_pages, v_pages, metadata: AttentionMetadata, *,
-                               scale: float, sliding_window: int | None = None,
-                               logits_soft_cap: float | None = None):
-    """Plain-jnp paged attention with a sliding window and a score soft cap: the stand-in for
-    `pallas_kernels.reference` until that takes both options (`kernels_support`), after which
-    nothing calls it (tests compare the two then). Same contract as `paged_attention`."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
-    seq_of_token, positions, is_real = _token_positions(metadata, num_tokens)
-    tables = metadata.block_tables[seq_of_token]                            # [T, M]
-    keys = k_pages[:, tables].reshape(num_kv_heads, num_tokens, -1, head_dim)  # [K, T, M*S, D]
-    values = v_pages[:, tables].reshape(num_kv_heads, num_tokens, -1, head_dim)
-    key_pos = jnp.arange(keys.shape[2], dtype=jnp.int32)[None]
-    visible = ((key_pos < metadata.context_lens[seq_of_token][:, None])
-               & (key_pos <= positions[:, None]))                          # [T, M*S]
-    if sliding_window is not None:
-        visible &= key_pos > positions[:, None] - sliding_window
-    queries = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, -1, head_dim)
-    scores = jnp.einsum("tkgd,ktcd->tkgc", queries, keys.astype(jnp.float32),
-                        precision=_EXACT) * scale
-    if logits_soft_cap is not None:
-        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-    mask = visible[:, None, None, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0)), 0)
-    values = jnp.where(visible[None, :, :, None], values.astype(jnp.float32), 0)  # NaN-safe
-    out = jnp.einsum("tkgc,ktcd->tkgd", weights, values, precision=_EXACT)
-    out = out / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    out = out.reshape(num_tokens, num_heads, head_dim)
-    return jnp.where(is_real[:, None, None], out, 0).astype(q.dtype)
-
-
-def _token_positions(metadata: AttentionMetadata, num_tokens: int):
-    """(sequence [T], position [T], is_real [T]) of each query row."""
-    if metadata.is_decode:
-        return (jnp.arange(num_tokens, dtype=jnp.int32), metadata.context_lens - 1,
-                metadata.context_lens > 0)
-    starts = metadata.query_start_loc
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(starts[1:], token, side="right").astype(jnp.int32)
-    seq = jnp.minimum(seq, metadata.block_tables.shape[0] - 1)
-    query_lens = starts[1:] - starts[:-1]
-    positions = metadata.context_lens[seq] - query_lens[seq] + token - starts[seq]
-    return seq, positions, token < starts[-1]

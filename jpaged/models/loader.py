@@ -32,11 +32,11 @@ from jpaged import parallel
 from jpaged.config import ModelConfig, normalize_dtype, read_eos_token_ids
 from jpaged.models import packing
 from jpaged.models.llama import LlamaForCausalLM
+from jpaged.options import LOAD_FORMATS
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ORBAX_DIR = "checkpoint"
-LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0  # fixed, so two dummy loads of one config give the same model
 DUMMY_STDDEV = 0.02
 # Checkpoint tensors that are safe to skip: rotary tables, which are recomputed from the config.
