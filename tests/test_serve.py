@@ -97,6 +97,10 @@ def test_banner_is_printed_and_models_lists_the_default(server):
     url, log_path = server
     banner = log_path.read_text()
     assert url in banner and f"curl {url}/v1/completions" in banner
+    configuration = banner[:banner.index("try:")]   # printed before it, once the port is bound
+    for item in ("jpaged-default", "dtype", "KV blocks", "max_model_len 256", "attention backend"):
+        assert item in configuration, item
+    assert httpx.head(f"{url}/health").status_code == 200
     models = httpx.get(f"{url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [serve.DEFAULT_MODEL_NAME]
 
@@ -218,9 +222,10 @@ def app_client(offline_llm, offline_greedy):
     taken, so only the app's engine thread uses it from then on)."""
     engine = offline_llm.engine
     async_engine = AsyncEngine(engine, "tiny")
-    app = serve.build_app(async_engine, serve.model_info(engine, default_model_dir(), "tiny"))
+    model = serve.model_info(engine, default_model_dir(), "tiny")
+    app = serve.build_app(async_engine, model)
     with TestClient(app) as client:
-        client.engine = engine
+        client.engine, client.async_engine, client.model = engine, async_engine, model
         yield client
 
 
@@ -277,6 +282,73 @@ def test_bad_input_gets_openai_error_and_server_carries_on(app_client, route, bo
         assert param.split(".")[0] in error["message"]
     good = app_client.post("/v1/completions", json=GOOD)
     assert good.status_code == 200 and len(good.json()["choices"]) == 1
+
+
+def _error(reply, status: int) -> dict:
+    assert reply.status_code == status, reply.text
+    assert reply.headers["content-type"] == "application/json"
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize("route,raw,param", [
+    ("completions", '{"prompt": "ab\\ud800"}', "prompt"),
+    ("completions", '{"prompt": ["ok", "\\udc00"]}', "prompt[1]"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages[0].content"),
+    ("completions", '{"prompt": "a", "stop": ["\\ud800"]}', "stop[0]")])
+def test_lone_surrogate_is_a_400_naming_the_field(app_client, route, raw, param):
+    error = _error(app_client.post(f"/v1/{route}", content=raw,
+                                   headers={"Content-Type": "application/json"}), 400)
+    assert error["param"] == param and "surrogate" in error["message"]
+    assert app_client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+@pytest.mark.parametrize("opener,closer", [("[", "]"), ('{"a":', "}")])
+def test_deeply_nested_json_is_a_400(app_client, opener, closer):
+    for depth in (100, 1_000, 100_000):
+        raw = '{"prompt": ' + opener * depth + "1" + closer * depth + "}"
+        error = _error(app_client.post("/v1/completions", content=raw), 400)
+        assert "nested" in error["message"]
+
+
+@pytest.mark.parametrize("raw", ['{"prompt": "a", "temperature": NaN}',
+                                 '{"prompt": "a", "temperature": 1e999}',
+                                 '{"prompt": 1' + "0" * 5000 + "}"])
+def test_numbers_json_cannot_hold_are_a_400(app_client, raw):
+    _error(app_client.post("/v1/completions", content=raw), 400)
+
+
+def test_a_prompt_surely_too_long_is_refused_before_tokenising(app_client):
+    bound = app_client.model.max_token_chars
+    assert bound == max(map(len, app_client.engine.tokenizer.get_vocab()))   # byte-level BPE
+    texts = [PROMPTS[1] * 20, " " * 500, "é🙂\n" * 90, "".join(map(chr, range(32, 400)))]
+    for text in texts:   # the bound holds: no token covers more than `bound` characters
+        assert len(app_client.engine.tokenizer.encode(text).ids) * bound >= len(text)
+    start = time.perf_counter()
+    error = _error(app_client.post("/v1/completions", json={"prompt": "a" * 1_000_000}), 400)
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+    assert time.perf_counter() - start < 1.0
+    error = _error(app_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "b" * 256 * bound}]}), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+
+
+def test_head_health_and_models_retrieve(app_client):
+    assert app_client.head("/health").status_code == 200
+    assert app_client.get("/v1/models/tiny").json()["id"] == "tiny"
+    error = _error(app_client.get("/v1/models/gpt-4"), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_unexpected_exceptions_are_openai_500s(app_client, monkeypatch):
+    def broken(body, model):
+        raise KeyError("injected")
+    monkeypatch.setattr(api, "parse_completion", broken)
+    client = TestClient(app_client.app, raise_server_exceptions=False)   # no second lifespan
+    error = _error(client.post("/v1/completions", json=GOOD), 500)
+    assert error["type"] == "internal_server_error" and "injected" in error["message"]
 
 
 def test_context_length_error_has_openai_code(app_client):
@@ -548,3 +620,112 @@ def test_chat_template_from_tokenizer_config_and_default(tmp_path):
     strict = api.ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ValueError, match="alternate"):
         strict.render(messages)
+
+
+# ---- the in-process app over real HTTP (uvicorn on a thread): limits and the API key ----------
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_url(app_client):
+    """A second app over app_client's engine thread (already started, so lifespan off), with an
+    API key and the default 4 MiB body limit, served by uvicorn on a free 127.0.0.1 port. It
+    tokenises every prompt (no early length check), as it must for tokenizers without a sound
+    bound."""
+    import dataclasses
+    import socket
+    import uvicorn
+
+    model = dataclasses.replace(app_client.model, max_token_chars=None)
+    app = serve.build_app(app_client.async_engine, model, api_key=API_KEY)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_api_key_guards_v1_with_the_openai_client(keyed_url):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{keyed_url}/v1", api_key=API_KEY, max_retries=0,
+                           timeout=60)
+    assert client.models.retrieve("tiny").id == "tiny"
+    reply = client.completions.create(model="tiny", prompt="x = ", max_tokens=2)
+    assert reply.usage.completion_tokens <= 2
+    wrong = openai.OpenAI(base_url=f"{keyed_url}/v1", api_key="wrong", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.retrieve("tiny")
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="x = ", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    missing = httpx.post(f"{keyed_url}/v1/completions", json=GOOD)
+    assert _error(missing, 401)["code"] == "invalid_api_key"
+    assert httpx.get(f"{keyed_url}/health").status_code == 200        # open without the key
+    assert httpx.head(f"{keyed_url}/health").status_code == 200
+    assert httpx.get(f"{keyed_url}/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_10mb_body_is_a_413_while_health_stays_fast(keyed_url, declared):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    body = b'{"prompt": "' + b"a" * 10_000_000 + b'"}'
+
+    async def chunks():   # no Content-Length: the limit is enforced while the body streams in
+        for start in range(0, len(body), 1 << 16):
+            yield body[start:start + (1 << 16)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=30) as http:
+            post = asyncio.ensure_future(http.post(f"{keyed_url}/v1/completions", headers=headers,
+                                                   content=body if declared else chunks()))
+            latencies = []
+            for _ in range(20):   # bounded: /health while the big request is in flight
+                start = time.perf_counter()
+                assert (await http.get(f"{keyed_url}/health")).status_code == 200
+                latencies.append(time.perf_counter() - start)
+            return await post, latencies
+
+    reply, latencies = asyncio.run(run())
+    assert _error(reply, 413)["code"] == "request_too_large"
+    assert max(latencies) < 0.1, latencies
+
+
+def test_a_long_prompt_under_the_limit_does_not_block_health(keyed_url):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            post = asyncio.ensure_future(http.post(
+                f"{keyed_url}/v1/completions", headers=headers,
+                json={"prompt": "def f(x):\n    return x\n" * 160_000}))   # 3.8 MB: ~2 s
+            latencies = []
+            while not post.done() and len(latencies) < 2000:
+                start = time.perf_counter()
+                assert (await http.get(f"{keyed_url}/health")).status_code == 200
+                latencies.append(time.perf_counter() - start)
+            return await post, latencies
+
+    reply, latencies = asyncio.run(run())
+    assert _error(reply, 400)["code"] == "context_length_exceeded"
+    # Tokenising on the event loop would hold /health up for the whole ~2 s; the slack over
+    # the 10 ms it takes alone is for a 2-core machine shared with the engine and uvicorn.
+    assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
+
+
+def test_api_key_flag_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("JPAGED_API_KEY", "from-env")
+    assert serve.parse_args([]).api_key == "from-env"
+    assert serve.parse_args(["--api-key", "from-flag"]).api_key == "from-flag"
+    monkeypatch.delenv("JPAGED_API_KEY")
+    args = serve.parse_args(["--max-request-bytes", "1000"])
+    assert (args.api_key, args.max_request_bytes) == (None, 1000)

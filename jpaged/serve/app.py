@@ -2,11 +2,16 @@
 
 Handlers validate requests (`openai_api`), queue them, and stream or collect the outputs. A client
 that disconnects has its requests aborted, which frees their KV blocks at once.
+
+No request may hurt another: bodies are capped while they are read (413), and parsing,
+tokenisation and chat-template rendering run on worker threads, so the event loop (and /health)
+stays responsive whatever a client sends. Every error is OpenAI's JSON error body.
 """
 
 import asyncio
 import contextlib
-import json
+import logging
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,12 +22,16 @@ from jpaged.serve import openai_api as api
 from jpaged.serve.async_engine import AsyncEngine, EngineError, RequestGroup
 from jpaged.serve.data_parallel import DataParallelEngine
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+logger = logging.getLogger(__name__)
+
 
 def model_info(engine, model_dir, name: str) -> api.ModelInfo:
     return api.ModelInfo(name=name, tokenizer=engine.tokenizer,
                          vocab_size=engine.model_config.vocab_size,
                          max_model_len=engine.config.max_model_len,
-                         chat_template=api.ChatTemplate.from_model_dir(model_dir))
+                         chat_template=api.ChatTemplate.from_model_dir(model_dir),
+                         max_token_chars=api.max_token_chars(engine.tokenizer))
 
 
 
@@ -41,8 +50,29 @@ class _AbortingStreamingResponse(StreamingResponse):
             self._on_close()
 
 
-def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelInfo) -> FastAPI:
-    """The ASGI app; its lifespan starts and stops the engine thread."""
+class _RequireAPIKey:
+    """ASGI middleware: every /v1/ route answers 401 unless `Authorization: Bearer <key>`;
+    /health and /metrics stay open (as in vLLM)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self._expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._expected):
+                error = api.APIError("Incorrect or missing API key: send 'Authorization: Bearer "
+                                     "<key>'", status=401, code="invalid_api_key")
+                response = JSONResponse(error.body(), status_code=401)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelInfo, *,
+              api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops the engine thread. With `api_key`, /v1/ routes
+    need it as a bearer token; bodies over `max_request_bytes` are answered 413."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         async_engine.start()
@@ -65,7 +95,18 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
         return JSONResponse(api.APIError(str(err.detail), status=err.status_code).body(),
                             status_code=err.status_code)
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def unexpected_error(_request, err: Exception):
+        # A bug, never the client's doing: still OpenAI's body, and the traceback in the log.
+        logger.error("unhandled error in a request", exc_info=err)
+        error = api.APIError(f"internal error: {type(err).__name__}: {err}"[:500], status=500,
+                             type="internal_server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    if api_key:
+        app.add_middleware(_RequireAPIKey, api_key=api_key)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return Response(status_code=200 if async_engine.is_alive else 503)
 
@@ -73,19 +114,31 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
     async def metrics():
         return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    model_card = {"id": model.name, "object": "model", "created": 0, "owned_by": "jpaged",
+                  "max_model_len": model.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
-                                            "owned_by": "jpaged",
-                                            "max_model_len": model.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_by_id(model_id: str):
+        api.check_model({"model": model_id}, model.name)
+        return model_card
+
+    async def parse_request(request: Request, parse) -> api.ParsedRequest:
+        """Body -> ParsedRequest on a worker thread: tokenising a long prompt or rendering a
+        template must not hold up the event loop, which answers every other client."""
+        raw = await _read_body(request, max_request_bytes)
+        return await asyncio.to_thread(lambda: parse(api.parse_body(raw), model))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(request, api.parse_completion(await _json_body(request), model))
+        return await _generate(request, await parse_request(request, api.parse_completion))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(request, api.parse_chat(await _json_body(request), model))
+        return await _generate(request, await parse_request(request, api.parse_chat))
 
     async def _generate(request: Request, parsed: api.ParsedRequest):
         builder = api.ReplyBuilder(parsed, model)
@@ -113,15 +166,26 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
     return app
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise api.APIError(f"the request body is not valid JSON: {err}") from err
-    if not isinstance(body, dict):
-        raise api.APIError("the request body must be a JSON object")
-    return body
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as its Content-Length or the bytes read so far pass
+    `limit`: a huge body is never held in memory."""
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise api.APIError("the Content-Length header is not a number")
+    if declared is not None and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> api.APIError:
+    return api.APIError(f"the request body is larger than this server's limit of {limit} bytes "
+                        "(--max-request-bytes)", status=413, code="request_too_large")
 
 
 async def _stream(group: RequestGroup, builder: api.ReplyBuilder, parsed: api.ParsedRequest):

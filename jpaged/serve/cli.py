@@ -5,12 +5,13 @@ The engine runs on its own thread (`async_engine.AsyncEngine`); `app.build_app` 
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from jpaged.engine import LLMEngine
 from jpaged.engine.builder import default_model_dir
 from jpaged.options import BY_NAME, OPTIONS, Option, OptionError, check_options
-from jpaged.serve.app import build_app, model_info
+from jpaged.serve.app import DEFAULT_MAX_REQUEST_BYTES, build_app, model_info
 from jpaged.serve.async_engine import AsyncEngine
 from jpaged.serve.data_parallel import DataParallelEngine
 
@@ -35,11 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=8000, help="port to bind")
     add("--uvicorn-log-level", default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add("--api-key", default=None,
+        help="if set, every /v1/ route needs 'Authorization: Bearer <key>' (else 401); /health "
+             "and /metrics stay open. Default: the JPAGED_API_KEY environment variable, if set")
+    add("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted; a larger one is answered 413 before it is read")
     engine = parser.add_argument_group("engine options (jpaged.options; LLM(...) takes the same)")
     for option in OPTIONS:
         if option.is_flag:
             add_option_flag(engine, option)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_option_flag(group, option: Option):
@@ -62,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       for_server=True)
     except OptionError as err:
         parser.error(f"argument {BY_NAME[err.option].flag}: {err}")
+    if args.api_key is None:   # the flag wins over the environment
+        args.api_key = os.environ.get("JPAGED_API_KEY") or None
     return args
 
 
@@ -90,15 +105,36 @@ def banner(host: str, port: int, model_name: str) -> str:
             f"  also: {url}/v1/chat/completions, {url}/v1/models, {url}/health, {url}/metrics")
 
 
+def configuration(args: argparse.Namespace, name: str, engine) -> str:
+    """One line with what is being served and how, printed at start."""
+    config = engine.config
+    return (f"jpaged: model {name} ({args.model or 'built-in default'}), dtype {args.dtype}, "
+            f"kv dtype {config.kv_dtype}, {config.num_kv_blocks} KV blocks of "
+            f"{config.block_size} tokens, max_model_len {config.max_model_len}, attention "
+            f"backend {engine.executor.attention_backend}, data parallel "
+            f"{args.data_parallel_size}, API key {'required' if args.api_key else 'off'}, "
+            f"max request {args.max_request_bytes} bytes")
+
+
 def main(argv=None) -> int:
     import uvicorn
 
+    class Server(uvicorn.Server):
+        """Prints the banner once the socket accepts connections, not before."""
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(banner(args.host, args.port, name), flush=True)
+
     args = parse_args(argv)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    print(banner(args.host, args.port, name), flush=True)
     model_dir = default_model_dir() if args.model is None else Path(args.model)
     async_engine = build_engine(args, name)
-    app = build_app(async_engine, model_info(async_engine.engine, model_dir, name))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    print(configuration(args, name, async_engine.engine), flush=True)
+    app = build_app(async_engine, model_info(async_engine.engine, model_dir, name),
+                    api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    Server(uvicorn.Config(app, host=args.host, port=args.port,
+                          log_level=args.uvicorn_log_level)).run()
     return 0
 

@@ -15,6 +15,7 @@ jinja2, as transformers does) or, when the model has none, with the default temp
 
 import dataclasses
 import json
+import math
 import time
 import uuid
 from pathlib import Path
@@ -40,8 +41,14 @@ class APIError(Exception):
                                                                        type, code)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        return {"error": {"message": _printable(self.message), "type": self.type,
+                          "param": None if self.param is None else _printable(self.param),
                           "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    """Text safe to send as UTF-8: a lone surrogate quoted from the request becomes \\ud800."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +59,32 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     chat_template: "ChatTemplate"
+    max_token_chars: int | None = None   # see `max_token_chars`; None: no early length check
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters of text one token can cover, where that bound is sound, so a prompt
+    longer than max_model_len times it is refused before it is tokenised: a byte-level BPE (no
+    normalizer, a plain ByteLevel pre-tokenizer, no unknown token) turns every byte into part of
+    exactly one token, and a token of k byte-characters covers at most k characters. Any other
+    tokenizer may drop or merge text (whitespace splitting, normalisation, fused unknowns): None."""
+    if (tokenizer is None or tokenizer.normalizer is not None
+            or type(tokenizer.pre_tokenizer).__name__ != "ByteLevel"
+            or type(tokenizer.model).__name__ != "BPE" or tokenizer.model.unk_token is not None):
+        return None
+    return max(map(len, tokenizer.get_vocab(with_added_tokens=True)))
+
+
+def encode(model: "ModelInfo", text: str, param: str, **kwargs) -> list[int]:
+    """Token ids of `text`, refused early when it is surely too long. `encode_batch` rather than
+    `encode`: only the batch call lets go of the GIL, so a long prompt tokenised on a worker
+    thread does not stall the event loop."""
+    bound = model.max_token_chars
+    if bound is not None and len(text) > model.max_model_len * bound:
+        raise APIError(f"This model's maximum context length is {model.max_model_len} tokens; "
+                       f"the prompt ('{param}') has {len(text)} characters, so more than that "
+                       "many tokens", param=param, code="context_length_exceeded")
+    return model.tokenizer.encode_batch([text], **kwargs)[0].ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +96,69 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     num_top_logprobs: int | None     # None: no logprobs in the reply
+
+
+# ---- the request body ---------------------------------------------------------------------------
+MAX_JSON_DEPTH = 64   # far beyond any real request; keeps every later walk of the body shallow
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object; anything a handler cannot take safely is an APIError:
+    invalid JSON or UTF-8, NaN / Infinity / numbers out of float range, integers of more than
+    Python's 4,300 digits, nesting deeper than MAX_JSON_DEPTH, and strings holding a lone UTF-16
+    surrogate (legal as a JSON escape, "\\ud800", but not text: the tokenizer cannot take it)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError as err:
+        raise APIError(f"the request body is nested more than {MAX_JSON_DEPTH} levels "
+                       "deep") from err
+    except APIError:
+        raise
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, too many digits
+        raise APIError(f"the request body is not valid JSON: {err}") from err
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    _check_tree(body)
+    return body
+
+
+def _reject_constant(name: str):
+    raise APIError(f"the request body has {name}, which is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise APIError(f"the request body has the number {text[:40]}, out of range")
+    return value
+
+
+def _check_tree(body: dict):
+    """Depth and lone surrogates, walked with an explicit stack (no recursion on client input)."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        items = (value.items() if isinstance(value, dict) else enumerate(value)
+                 if isinstance(value, list) else ())
+        for key, item in items:
+            path = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+            path = path.lstrip(".")
+            if isinstance(key, str):
+                _check_text(key, path)
+            if isinstance(item, str):
+                _check_text(item, path)
+            elif isinstance(item, (dict, list)):
+                stack.append((item, path, depth + 1))
+
+
+def _check_text(text: str, where: str):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(f"'{where[:200]}' is not valid Unicode: it holds a lone UTF-16 surrogate "
+                       f"at character {err.start}", param=where[:200]) from err
 
 
 # ---- field checks -------------------------------------------------------------------------------
@@ -195,7 +291,7 @@ def _prompt_ids(item, model: ModelInfo) -> list[int]:
         if model.tokenizer is None:
             raise APIError("this model has no tokenizer: send the prompt as token ids",
                            param="prompt")
-        ids = model.tokenizer.encode(item).ids  # as LLMEngine.add_request tokenizes
+        ids = encode(model, item, "prompt")  # as LLMEngine.add_request tokenizes
     elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                         for t in item):
         ids = item
@@ -223,7 +319,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     except Exception as err:  # a template may raise on, e.g., roles out of order
         raise APIError(f"the chat template failed on these messages: {err}",
                        param="messages") from err
-    prompts = [_prompt_ids(model.tokenizer.encode(text, add_special_tokens=False).ids, model)]
+    prompts = [_prompt_ids(encode(model, text, "messages", add_special_tokens=False), model)]
     want_logprobs = _field(body, "logprobs", (bool,), False)
     top = _field(body, "top_logprobs", (int,))
     if top is not None and not want_logprobs:
