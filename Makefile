@@ -18,7 +18,7 @@ $(VENV)/.installed-dev: pyproject.toml
 	touch $(VENV)/.installed-base $@
 
 run: $(VENV)/.installed-base
-	$(PY) -m jpaged.main
+	$(PY) -m jpaged.main $(ARGS)
 
 # Two workers (the CI machine has 2 cores); a test file stays on one worker, so its module
 # fixtures and compiled programs are built once.
