@@ -6,6 +6,8 @@ tokens (giving tokenizers that strip a leading space the context they need). A c
 O(new tokens), never a re-decode of the whole output.
 """
 
+import collections
+import functools
 from collections.abc import Sequence
 
 import tokenizers
@@ -15,13 +17,75 @@ _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"  # what a byte-level decoder yields for an incomplete UTF-8 sequence
 
 
+class StopMatcher:
+    """An Aho-Corasick automaton over a request's stop strings, fed the output text a character
+    at a time. Its state is the longest suffix of the text fed so far that is a prefix of some
+    stop string, so one transition per character (amortized) answers both questions a token
+    asks: did a stop string just end (`feed`), and how much of the text may still begin one
+    (`held_back_len`). Cost: linear in the text plus the stop strings' total length, where
+    checking every suffix against every stop string costs that length squared per token.
+    """
+
+    def __init__(self, stop: tuple[str, ...]):
+        self._goto: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        self._match: list[str | None] = [None]  # the stop string the state's text ends with
+        for string in stop:
+            state = 0
+            for char in string:
+                if char not in self._goto[state]:
+                    self._goto.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    self._match.append(None)
+                    self._goto[state][char] = len(self._goto) - 1
+                state = self._goto[state][char]
+            if self._match[state] is None:
+                self._match[state] = string
+        self._fail = [0] * len(self._goto)
+        queue = collections.deque(self._goto[0].values())
+        while queue:  # breadth first: a state's fail link is shallower, so already known
+            state = queue.popleft()
+            for char, child in self._goto[state].items():
+                self._fail[child] = self._next(self._fail[state], char)
+                if self._match[child] is None:  # a longer match ending here wins: earlier start
+                    self._match[child] = self._match[self._fail[child]]
+                queue.append(child)
+
+    def _next(self, state: int, char: str) -> int:
+        while state and char not in self._goto[state]:
+            state = self._fail[state]
+        return self._goto[state].get(char, 0)
+
+    def start(self) -> int:
+        return 0
+
+    def feed(self, state: int, text: str) -> tuple[int, int, str | None]:
+        """Advance over text; stop at the first character that completes a stop string.
+        Returns (state, chars of text consumed, the stop string matched or None)."""
+        for index, char in enumerate(text):
+            state = self._next(state, char)
+            if self._match[state] is not None:
+                return state, index + 1, self._match[state]
+        return state, len(text), None
+
+    def held_back_len(self, state: int) -> int:
+        """Length of the longest suffix of the text fed that a stop string may still complete."""
+        return self._depth[state]
+
+
+@functools.lru_cache(maxsize=64)  # the n samples of a request (and repeated requests) share one
+def stop_matcher(stop: tuple[str, ...]) -> StopMatcher:
+    return StopMatcher(stop)
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's output token ids into text, a delta at a time.
 
     `append(ids)` returns (delta, is_stopped). Guarantees:
     - A character split across tokens comes out whole: while the decoded window ends in U+FFFD
       (an incomplete UTF-8 sequence) nothing of it is released; the next token resolves it.
-    - Stop strings are matched on the full output text, so they may span tokens. On a match,
+    - Stop strings are matched on the full output text, so they may span tokens; the first one
+      completed wins (the longest if several end at the same character). On a match,
       `text` is truncated right before the stop string (vLLM's default), `stop_reason` names it,
       and tokens after the one that completed it (in the same call) are ignored.
     - A delta never contains text that could still be the start of a stop string: such a suffix
@@ -37,7 +101,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer | None, prompt_token_ids: Sequence[int],
                  stop: tuple[str, ...], *, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
-        self._stop = tuple(stop)
+        self._matcher = stop_matcher(tuple(stop)) if stop else None
+        self._match_state = 0
         self._skip_special_tokens = skip_special_tokens
         # The decoding window: [:_read_offset] is context already turned into text (the prompt's
         # tail, later the last tokens read), the rest are output tokens not yet turned into text.
@@ -102,13 +167,14 @@ class IncrementalDetokenizer:
         """Append decoded text; on a stop string that ends inside it, truncate and stop."""
         if not new_text:
             return
-        old_len = len(self._text)
-        self._text += new_text
-        matches = [(start, stop) for stop in self._stop
-                   if (start := self._text.find(stop, max(0, old_len - len(stop) + 1))) >= 0]
-        if matches:
-            start, self.stop_reason = min(matches)
-            self._text = self._text[:start]
+        if self._matcher is None:
+            self._text += new_text
+            return
+        self._match_state, consumed, stop = self._matcher.feed(self._match_state, new_text)
+        self._text += new_text[:consumed]
+        if stop is not None:
+            self.stop_reason = stop
+            self._text = self._text[:len(self._text) - len(stop)]
 
     def _take_delta(self, final: bool = False) -> str:
         """Text not yet streamed, minus a suffix that may begin a stop string (unless final)."""
@@ -121,11 +187,6 @@ class IncrementalDetokenizer:
         return delta
 
     def _held_back_len(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop:
-            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        """Length of the longest suffix of the text that is a proper prefix of a stop string
+        (not a whole one: that would have matched)."""
+        return 0 if self._matcher is None else self._matcher.held_back_len(self._match_state)

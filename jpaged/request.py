@@ -126,3 +126,4 @@ class RequestOutput:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # why the engine failed this request (its finish_reason: "error")

@@ -29,6 +29,15 @@ from jax import lax
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy (argmax), as in vLLM
 SEED_MODULUS = 2**32       # device seeds are uint32: seeds equal modulo 2**32 give the same stream
+# Caps that keep every request within what the device arrays and the host matcher hold; a value
+# past one is rejected with a ValueError naming the field and the cap.
+MAX_INT32 = 2**31 - 1      # top_k lives in an int32 on the device (any top_k >= V is "off")
+MAX_STOP_STRINGS = 64      # stop strings per request (OpenAI allows 4)
+MAX_STOP_LENGTH = 256      # characters per stop string: the matcher's automaton has at most
+                           # MAX_STOP_STRINGS * MAX_STOP_LENGTH states per request
+MAX_STOP_TOKEN_IDS = 256   # stop_token_ids per request, far under the decode loop's stop-id buffer
+MAX_TEMPERATURE = 1e4      # float32-exact; logits / temperature stay finite and ordered, and far
+                           # below it sampling is already uniform in practice (a gap of 20 -> 2e-3)
 
 
 def _check_int(name: str, value, *, minimum: int | None = None) -> int:
@@ -45,11 +54,29 @@ def _check_float(name: str, value) -> float:
     return float(value)
 
 
+def _check_float32_fraction(name: str, value: float, *, zero_allowed: bool):
+    """A probability in (0, 1] ([0, 1] if zero_allowed) that stays nonzero as a float32: a tiny
+    positive value would round to 0 on the device and silently change what the filter does."""
+    low_ok = value >= 0 if zero_allowed else value > 0
+    if not (low_ok and value <= 1) or (value > 0 and np.float32(value) == 0):
+        interval = "[0, 1]" if zero_allowed else "(0, 1]"
+        raise ValueError(f"{name} must be in {interval} and, if nonzero, at least the smallest "
+                         f"float32 ({float(np.finfo(np.float32).smallest_subnormal):.1e}), "
+                         f"got {value!r}")
+
+
 def _check_stop(stop) -> tuple[str, ...]:
     strings = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(strings, (list, tuple)) or not all(
             isinstance(s, str) and s for s in strings):
         raise ValueError(f"stop must be a non-empty str or a list of non-empty str, got {stop!r}")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(strings)} strings; at most MAX_STOP_STRINGS="
+                         f"{MAX_STOP_STRINGS} are allowed")
+    longest = max(map(len, strings), default=0)
+    if longest > MAX_STOP_LENGTH:
+        raise ValueError(f"stop has a string of {longest} characters; at most MAX_STOP_LENGTH="
+                         f"{MAX_STOP_LENGTH} are allowed")
     return tuple(strings)
 
 
@@ -85,6 +112,12 @@ class SamplingParams:
     hashable. A temperature below GREEDY_TEMPERATURE (e.g. 0) means greedy decoding. `seed=None`
     means the engine draws one (see `request_seed`). `logprobs=k` asks for the k most likely
     tokens' logprobs at each step (0: only the chosen token's).
+
+    Caps (module constants, named in the errors): temperature <= MAX_TEMPERATURE; top_k <=
+    MAX_INT32 (an int32 on the device; a top_k >= the vocabulary turns the filter off, as vLLM);
+    top_p and a nonzero min_p must stay nonzero as float32; at most MAX_STOP_STRINGS stop strings
+    of at most MAX_STOP_LENGTH characters; at most MAX_STOP_TOKEN_IDS stop_token_ids, each <=
+    MAX_INT32 (the engine also checks them against its vocabulary); logprobs <= MAX_LOGPROBS.
     """
     n: int = 1
     temperature: float = 1.0
@@ -114,14 +147,14 @@ class SamplingParams:
                          else _check_int("logprobs", self.logprobs, minimum=0)),
             "output_kind": _check_output_kind(self.output_kind),
         }
-        if fields["temperature"] < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < fields["top_p"] <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if fields["top_k"] == 0:
-            raise ValueError(f"top_k must be -1 (off) or at least 1, got {self.top_k!r}")
-        if not 0 <= fields["min_p"] <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0 <= fields["temperature"] <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, MAX_TEMPERATURE={MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature!r}")
+        _check_float32_fraction("top_p", fields["top_p"], zero_allowed=False)
+        if fields["top_k"] == 0 or fields["top_k"] > MAX_INT32:
+            raise ValueError(f"top_k must be -1 (off) or in [1, {MAX_INT32}] (values >= the "
+                             f"vocabulary size mean off), got {self.top_k!r}")
+        _check_float32_fraction("min_p", fields["min_p"], zero_allowed=True)
         if fields["logprobs"] is not None and fields["logprobs"] > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -133,7 +166,14 @@ class SamplingParams:
         ids = () if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}")
-        return tuple(_check_int("stop_token_ids", i, minimum=0) for i in ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most MAX_STOP_TOKEN_IDS="
+                             f"{MAX_STOP_TOKEN_IDS} are allowed")
+        checked = tuple(_check_int("stop_token_ids", i, minimum=0) for i in ids)
+        if any(i > MAX_INT32 for i in checked):
+            raise ValueError(f"stop_token_ids must be token ids (at most {MAX_INT32}), "
+                             f"got {max(checked)}")
+        return checked
 
     @property
     def is_greedy(self) -> bool:

@@ -1,13 +1,16 @@
 """Incremental detokenizer against a tiny byte-level BPE: deltas add up to tokenizer.decode,
 characters split across tokens come out whole, stop strings truncate and never leak."""
 
+import time
+
 import pytest
 import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.detokenizer import IncrementalDetokenizer, StopMatcher
+from jpaged.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 SENTENCES = ["héllo wörld ✓ this is a test", "the quick brown fox jumps over the lazy dog",
              "日本語のテキスト 🎉 emoji", "héllo again, wörld!", "stop here. STOP. end"] * 3
@@ -164,3 +167,63 @@ def test_each_token_decodes_a_small_window_not_the_whole_output(tokenizer):
     detok, deltas = stream(counting, ids, prompt=ids[:50])
     assert len(ids) > 500 and "".join(deltas) == tokenizer.decode(ids)
     assert max(counting.window_sizes) <= 8 and len(counting.window_sizes) <= 2 * len(ids)
+
+
+class CountingList(list):
+    """A list that counts its reads: the automaton's fail links, to bound its work."""
+    reads = 0
+
+    def __getitem__(self, index):
+        CountingList.reads += 1
+        return super().__getitem__(index)
+
+
+def worst_case_stops(length: int) -> tuple[str, ...]:
+    """The most stop strings of the given length for a text of "ab" runs: half keep being almost
+    completed (long partial matches: the automaton's hard case), half never start (every prefix
+    length fails: the old suffix-by-suffix check's hard case)."""
+    run = ("ab" * length)[:length - 1]
+    half = MAX_STOP_STRINGS // 2
+    return (tuple(run + chr(0x4e00 + i) for i in range(half))
+            + tuple(chr(0x4e00 + i) + run for i in range(half)))
+
+
+@pytest.mark.parametrize("length", [MAX_STOP_LENGTH // 4, MAX_STOP_LENGTH])
+def test_stop_matching_is_linear_in_the_text_at_the_caps(length):
+    """Each character costs O(1) transitions amortized, however many and however long the stop
+    strings: the fail links followed never exceed the characters fed."""
+    stops = worst_case_stops(length)
+    matcher = StopMatcher(stops)
+    matcher._fail = CountingList(matcher._fail)
+    CountingList.reads, state, text = 0, matcher.start(), "ab" * 5000 + "b" + "ab" * 5000
+    for start in range(0, len(text), 3):  # fed a token's worth at a time
+        state, consumed, stop = matcher.feed(state, text[start:start + 3])
+        assert stop is None and consumed == len(text[start:start + 3])
+        if start % 999 == 0:  # against the quadratic definition, now and then
+            fed = text[:start + 3]
+            assert matcher.held_back_len(state) == max(
+                n for n in range(length) if any(fed.endswith(s[:n]) for s in stops))
+    assert CountingList.reads <= len(text)
+    state, consumed, stop = matcher.feed(matcher.start(), "xx" + stops[5] + "yy")
+    assert (consumed, stop) == (2 + length, stops[5])
+
+
+def test_max_stop_strings_at_max_length_cost_little_per_token(tokenizer):
+    """The old per-token hold-back sliced every prefix of every stop string: 64 x 255 slices per
+    token, 17x the cost of decoding here. Now a token costs about what decoding it does (the
+    best of 3 runs each, and a generous bound, so a busy machine does not fail it)."""
+    ids = tokenizer.encode("ab" * 1500).ids
+    assert len(ids) >= 1000
+
+    def best_seconds(stop):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            detok, deltas = stream(tokenizer, ids, stop=stop)
+            times.append(time.perf_counter() - start)
+        return min(times), detok, deltas
+
+    plain_seconds, plain, _ = best_seconds(())
+    seconds, detok, deltas = best_seconds(worst_case_stops(MAX_STOP_LENGTH))
+    assert seconds < 3 * plain_seconds + 0.01
+    assert not detok.is_stopped and "".join(deltas) + detok.flush() == plain.text

@@ -290,6 +290,8 @@ def test_bad_input_is_rejected_before_anything_runs(hf_checkpoints):
         (dict(prompt_token_ids=[5] * 100, params=SamplingParams(max_tokens=20, n=2)), "blocks"),
         (dict(prompt_token_ids=[5, 999]), "outside"),
         (dict(prompt_token_ids=[5], params=SamplingParams(n=5)), "max_num_seqs"),
+        (dict(prompt_token_ids=[5], params=SamplingParams(stop_token_ids=[7, 320])),
+         "stop_token_ids"),  # the tiny checkpoints' vocabulary is 320
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jpaged.sampling import (MAX_LOGPROBS, SamplingParams, SamplingRow, SamplingTensors,
+from jpaged.sampling import (MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS,
+                             MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams, SamplingRow,
+                             SamplingTensors,
                              request_seed, row_keys, sample)
 
 sample_jit = jax.jit(sample, static_argnames="num_logprobs")
@@ -48,7 +50,30 @@ INVALID = [
     ("seed", 1.5), ("seed", "7"), ("stop", ""), ("stop", [""]), ("stop", ["ok", 3]),
     ("stop", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 7),
     ("ignore_eos", "yes"),
+    # past what the device holds: int32 overflow, or float32 rounding that changes the meaning
+    ("top_k", 2**31), ("top_p", 1e-46), ("min_p", 1e-46), ("temperature", 1e308),
+    ("temperature", MAX_TEMPERATURE * 1.01),
 ]
+
+
+@pytest.mark.parametrize("name,value,cap", [
+    ("stop_token_ids", [2**31], "2147483647"),
+    ("stop_token_ids", list(range(65_536)), "MAX_STOP_TOKEN_IDS"),
+    ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1), "MAX_STOP_TOKEN_IDS"),
+    ("stop", ["x"] * (MAX_STOP_STRINGS + 1), "MAX_STOP_STRINGS"),
+    ("stop", ["x" * (MAX_STOP_LENGTH + 1)], "MAX_STOP_LENGTH"),
+])
+def test_counts_and_ids_past_the_caps_raise_naming_the_field_and_cap(name, value, cap):
+    with pytest.raises(ValueError, match=name) as error:
+        SamplingParams(**{name: value})
+    assert cap in str(error.value)
+
+
+def test_values_at_the_caps_are_accepted():
+    params = SamplingParams(top_k=2**31 - 1, temperature=MAX_TEMPERATURE, top_p=1e-45,
+                            min_p=1e-45, stop_token_ids=[2**31 - 1] * MAX_STOP_TOKEN_IDS,
+                            stop=["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS)
+    assert np.float32(params.top_p) > 0 and np.isfinite(np.float32(params.temperature))
 
 
 @pytest.mark.parametrize("name,value", INVALID)
@@ -74,7 +99,8 @@ def test_params_are_normalised_hashable_and_revalidated_on_replace():
 
 
 @given(n=st.integers(1, 8), temperature=st.floats(0, 5), top_p=st.floats(1e-6, 1),
-       top_k=st.one_of(st.just(-1), st.integers(1, 1000)), min_p=st.floats(0, 1),
+       top_k=st.one_of(st.just(-1), st.integers(1, 1000)),
+       min_p=st.one_of(st.just(0.0), st.floats(1e-6, 1)),
        seed=st.one_of(st.none(), st.integers(-2**63, 2**63)), max_tokens=st.integers(1, 4096),
        logprobs=st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)))
 def test_valid_params_construct(**kwargs):

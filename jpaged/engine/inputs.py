@@ -42,7 +42,8 @@ class InputProcessor:
         return token_ids
 
     def check_fits(self, token_ids: list[int], params: SamplingParams):
-        """Could this request ever run on this engine (length, n, KV blocks, logprobs)?"""
+        """Could this request ever run on this engine (length, n, KV blocks, logprobs, stop ids in
+        the vocabulary)?"""
         config = self.config
         if len(token_ids) >= config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
@@ -58,6 +59,10 @@ class InputProcessor:
                              f"tokens) but the pool has only {usable}: it could never run")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} exceeds {MAX_LOGPROBS}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains ids outside [0, {self.vocab_size}) (the "
+                             f"vocabulary): {bad[:5]}")
 
     def stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """Token ids that end a sequence on the device: stop_token_ids, and EOS unless ignored."""

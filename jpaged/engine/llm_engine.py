@@ -159,6 +159,12 @@ class LLMEngine:
         at the next step: TTFT does not grow with K). With `async_scheduling`, while nothing
         waits, the next loop is dispatched before this one's tokens are processed on the host,
         so the host work overlaps the device; outputs then trail the device by one step.
+
+        An exception while processing one request's outputs fails that request alone: its
+        output comes back finished, finish_reason "error", `error` saying why, its blocks freed.
+        An exception from the step as a whole (scheduling, the executor) is raised: the block
+        mirror has already planned the step's appends, which the device makes only inside the
+        step, so no request can be retried or freed soundly (see docs/design.md).
         """
         start = time.perf_counter()
         if self.pipeline.loops:   # decode loops in flight: chain more behind them, fetch one
@@ -186,10 +192,21 @@ class LLMEngine:
         self.scheduler.update(outcome, device_freed, self.pipeline.hold_back)
         for request in outcome.finished_requests:
             self._requests.pop(request.request_id, None)
+        outputs = outcome.outputs + [self._fail(request, err) for request, err in outcome.failed]
         if not self.has_unfinished():
             self.apply_block_ops()  # idle: the device's pool equals the mirror's at once
         self._record(start, device_seconds, rows, is_decode, num_tokens, results)
-        return outcome.outputs
+        return outputs
+
+    def _fail(self, request, err: Exception):
+        """End a request with finish_reason "error" (its blocks freed) and return its output."""
+        live = request.live_sequences
+        self.abort(request.request_id)
+        for seq in live:
+            seq.finish_reason = "error"
+        output = self.output.output(request)
+        output.finished, output.error = True, f"{type(err).__name__}: {err}"
+        return output
 
     def _loops_to_chain(self) -> int:
         """Loops to dispatch behind the ones in flight: none unless async scheduling is on and

@@ -20,6 +20,7 @@ class StepOutcome:
     forks: list[tuple[Request, list[Sequence]]]       # siblings born unfinished, per request
     finished: list[Sequence]                          # sequences that ended in this step
     finished_requests: list[Request]                  # requests whose every sequence ended
+    failed: list[tuple[Request, Exception]] = dataclasses.field(default_factory=list)
 
 
 class OutputProcessor:
@@ -39,19 +40,34 @@ class OutputProcessor:
                                       request.params.stop)
 
     def process(self, results) -> StepOutcome:
-        """results: [(ScheduledRow, sample index, Samples)] of one step or decode loop."""
+        """results: [(ScheduledRow, sample index, Samples)] of one step or decode loop. An
+        exception while appending one request's samples (detokenizing, stop checks) fails that
+        request only: it is left out of the outcome and listed in `failed`."""
         touched: dict[int, Request] = {}
         children: dict[int, list[Sequence]] = {}
         finished: list[Sequence] = []
+        failed: dict[int, tuple[Request, Exception]] = {}
         for row, sample_index, samples in results:
             request, seq = row.request, row.seq
-            if sample_index != seq.index:  # the n-1 siblings come to life at the prompt's end
-                seq = self._new_child(request, row.seq, sample_index)
-                children.setdefault(id(request), []).append(seq)
-            self._append_samples(request, seq, samples)
+            if id(request) in failed:
+                continue
+            try:
+                if sample_index != seq.index:  # the n-1 siblings come to life at prompt's end
+                    seq = self._new_child(request, row.seq, sample_index)
+                    children.setdefault(id(request), []).append(seq)
+                self._append_samples(request, seq, samples)
+            except Exception as err:  # this request's fault alone: the engine fails just it
+                failed[id(request)] = (request, err)
+                continue
             touched[id(request)] = request
             if seq.is_finished:
                 finished.append(seq)
+        if failed:
+            for key in failed:
+                touched.pop(key, None)
+                children.pop(key, None)
+            lost = {id(seq) for request, _ in failed.values() for seq in request.sequences}
+            finished = [seq for seq in finished if id(seq) not in lost]
         forks = [(touched[key], [seq for seq in new if not seq.is_finished])
                  for key, new in children.items()]
         outputs, done = [], []
@@ -60,7 +76,8 @@ class OutputProcessor:
                 done.append(request)
             if request.is_finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self.output(request))
-        return StepOutcome(outputs, [(r, live) for r, live in forks if live], finished, done)
+        return StepOutcome(outputs, [(r, live) for r, live in forks if live], finished, done,
+                           list(failed.values()))
 
     def _new_child(self, request: Request, parent: Sequence, sample_index: int) -> Sequence:
         child = Sequence(sample_index, list(parent.token_ids[:parent.num_computed]),

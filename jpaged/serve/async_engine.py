@@ -246,6 +246,11 @@ class AsyncEngine:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:  # aborted after this step was scheduled
                 continue
+            if output.error is not None:  # the engine failed this request alone
+                del self._tracked[output.request_id]
+                tracked.sink.put(("error", output.request_id,
+                                  EngineError(f"engine error: {output.error}")))
+                continue
             self.metrics.observe_progress(tracked, output, now)
             deliveries.append((tracked.sink, output))
             if output.finished:
