@@ -47,10 +47,8 @@ JSON_VALUE = st.recursive(SCALAR, lambda inner: st.one_of(
 HUGE_LIST = st.builds(lambda n, item: [item] * n, st.integers(257, 100_000),
                       st.sampled_from([1, "a", 5000, None, [1]]))
 
-# Sampling values that reach the engine stay inside what SamplingParams checks today: top_k and
-# stop_token_ids >= 2**31, more than 65,535 stop_token_ids, subnormal top_p / min_p and huge or
-# subnormal temperatures are being validated in jpaged/sampling.py by another change; until it
-# lands these strategies leave them out (junk of the wrong type is still sent).
+# Values past what the device holds (top_k and stop ids beyond int32, too many stop ids, subnormal
+# top_p / min_p, huge temperatures) are among the extremes: SamplingParams rejects them by name.
 JUNK = st.one_of(st.none(), st.booleans(), TEXT, st.lists(st.integers(-3, 3), max_size=3),
                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 SAMPLING = {
@@ -58,13 +56,15 @@ SAMPLING = {
     "max_tokens": st.one_of(st.integers(1, 4), st.integers(-3, 0), EXTREME_INT.filter(
         lambda v: v > 4), JUNK.filter(lambda v: v is not None)),
     "n": st.one_of(st.integers(1, 2), st.integers(-2, 0), st.integers(5, 10**6), JUNK),
-    "temperature": st.one_of(st.sampled_from([0, 0.0, 0.7, 1, 1.5, 2.0, -1, -0.5]), JUNK),
-    "top_p": st.one_of(st.sampled_from([1, 0.9, 0.5, 0.01, 0, -1, 1.5]), JUNK),
-    "top_k": st.one_of(st.integers(-5, 300), st.integers(-2**31 + 1, 2**31 - 1), JUNK),
-    "min_p": st.one_of(st.sampled_from([0, 0.1, 0.5, 1, -0.1, 2]), JUNK),
+    "temperature": st.one_of(st.sampled_from([0, 0.0, 0.7, 1, 1.5, 2.0, -1, -0.5, 1e308,
+                                              1e-300, 1e4]), JUNK),
+    "top_p": st.one_of(st.sampled_from([1, 0.9, 0.5, 0.01, 0, -1, 1.5, 1e-46]), JUNK),
+    "top_k": st.one_of(st.integers(-5, 300), EXTREME_INT, JUNK),
+    "min_p": st.one_of(st.sampled_from([0, 0.1, 0.5, 1, -0.1, 2, 1e-46]), JUNK),
     "seed": st.one_of(st.integers(-2**70, 2**70), JUNK),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=5), JUNK),
-    "stop_token_ids": st.one_of(st.lists(st.integers(-5, 2**31 - 1), max_size=6), JUNK),
+    "stop_token_ids": st.one_of(st.lists(st.integers(-5, 2**31 - 1), max_size=6),
+                                st.lists(EXTREME_INT, max_size=3), HUGE_LIST, JUNK),
     "ignore_eos": st.one_of(st.booleans(), JUNK),
     "stream": st.one_of(st.booleans(), JUNK),
     "stream_options": st.one_of(st.just({"include_usage": True}), JSON_VALUE),
