@@ -503,15 +503,18 @@ def test_metrics_health_and_models(app_client):
     assert values["jpaged:num_kv_blocks_free"] == values["jpaged:num_kv_blocks_total"]
 
 
-def test_latency_histograms_count_first_and_later_tokens(app_client):
+def _metric_changes(app_client, send):
+    """`send()`'s result and a function giving how much a metric moved during it."""
     before = _metrics(app_client.get("/metrics").text)
-    reply = app_client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 6,
-                                                     "ignore_eos": True})
-    assert reply.json()["usage"]["completion_tokens"] == 6
+    result = send()
     after = _metrics(app_client.get("/metrics").text)
+    return result, lambda name: after[name] - before[name]
 
-    def delta(name):
-        return after[name] - before[name]
+
+def test_latency_histograms_count_first_and_later_tokens(app_client):
+    reply, delta = _metric_changes(app_client, lambda: app_client.post(
+        "/v1/completions", json={"prompt": "x = ", "max_tokens": 6, "ignore_eos": True}))
+    assert reply.json()["usage"]["completion_tokens"] == 6
     assert delta("vllm:time_to_first_token_seconds_count") == 1
     assert delta("vllm:time_per_output_token_seconds_count") == 5
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
@@ -520,15 +523,10 @@ def test_latency_histograms_count_first_and_later_tokens(app_client):
 
 
 def test_latency_histograms_count_streamed_tokens(app_client):
-    before = _metrics(app_client.get("/metrics").text)
-    chunks = _stream_chunks(app_client, "completions", {
+    chunks, delta = _metric_changes(app_client, lambda: _stream_chunks(app_client, "completions", {
         "prompt": "x = ", "max_tokens": 6, "ignore_eos": True,
-        "stream_options": {"include_usage": True}})
+        "stream_options": {"include_usage": True}}))
     assert chunks[-1]["usage"]["completion_tokens"] == 6
-    after = _metrics(app_client.get("/metrics").text)
-
-    def delta(name):
-        return after[name] - before[name]
     assert delta("vllm:time_to_first_token_seconds_count") == 1
     assert delta("vllm:time_per_output_token_seconds_count") == 5
     assert delta("vllm:e2e_request_latency_seconds_count") == 1

@@ -146,38 +146,38 @@ class Fork(BlockOp):
         return [cls(((-1, -1),) * size) for size in bucket_sizes(4, _row_cap(device))]
 
 
+class _ReferenceOp(BlockOp):
+    """A reference more (Retain) or less (Release) on each of `blocks`, in chunks of OP_CHUNK."""
+    blocks: tuple[int, ...]
+
+    def run(self, device):
+        _chunked_blocks_op(self._program, self.kind, device, self.blocks)
+
+    @classmethod
+    def padding(cls, device):
+        return [cls((-1,) * size) for size in bucket_sizes(4, OP_CHUNK)]
+
+
 @dataclasses.dataclass(frozen=True)
-class Retain(BlockOp):
+class Retain(_ReferenceOp):
     """One more reference on each block (the prefix cache's own, on a block it indexes)."""
     blocks: tuple[int, ...]
     kind: ClassVar[str] = "retain"
+    _program: ClassVar = staticmethod(_RETAIN)
 
     def apply(self, mirror):
         mirror.retain(list(self.blocks))
 
-    def run(self, device):
-        _chunked_blocks_op(_RETAIN, self.kind, device, self.blocks)
-
-    @classmethod
-    def padding(cls, device):
-        return [cls((-1,) * size) for size in bucket_sizes(4, OP_CHUNK)]
-
 
 @dataclasses.dataclass(frozen=True)
-class Release(BlockOp):
+class Release(_ReferenceOp):
     """The inverse of Retain: prefix-cache eviction."""
     blocks: tuple[int, ...]
     kind: ClassVar[str] = "release"
+    _program: ClassVar = staticmethod(_RELEASE)
 
     def apply(self, mirror):
         mirror.release(list(self.blocks))
-
-    def run(self, device):
-        _chunked_blocks_op(_RELEASE, self.kind, device, self.blocks)
-
-    @classmethod
-    def padding(cls, device):
-        return [cls((-1,) * size) for size in bucket_sizes(4, OP_CHUNK)]
 
 
 @dataclasses.dataclass(frozen=True)

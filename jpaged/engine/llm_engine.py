@@ -121,11 +121,11 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        if any(self.pipeline.holds(seq) for seq in request.live_sequences):
-            live = request.live_sequences
-            for seq in live:
+        held = [seq for seq in request.live_sequences if self.pipeline.holds(seq)]
+        if held:
+            for seq in request.live_sequences:
                 seq.finish_reason = "abort"
-            self.pipeline.free([seq for seq in live if self.pipeline.holds(seq)])
+            self.pipeline.free(held)
             self.scheduler.retire(request)
         else:
             self.scheduler.abort(request_id)

@@ -70,9 +70,9 @@ class DecodePipeline:
         return the others, which can be freed at once."""
         if not self.loops:
             return sequences
-        held = [seq for seq in sequences if self.holds(seq)]
-        self.free(held)
-        return [seq for seq in sequences if not self.holds(seq)]
+        held = {id(seq) for seq in sequences if self.holds(seq)}
+        self.free([seq for seq in sequences if id(seq) in held])
+        return [seq for seq in sequences if id(seq) not in held]
 
     def loops_to_chain(self, running) -> int:
         """How many loops to dispatch now behind the ones in flight, continuing the newest (the
