@@ -93,6 +93,15 @@ def build_llama_head_dim(out_dir: Path):
     _save(LlamaForCausalLM, config, out_dir, seed=5)
 
 
+def build_llama_with_head_dim(out_dir: Path, head_dim: int):
+    """A GQA Llama with the given head_dim (the GPU kernels' head-size grid)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         **_COMMON)
+    _save(LlamaForCausalLM, config, out_dir, seed=head_dim)
+
+
 def build_llama_sharded(out_dir: Path):
     """A Llama split over several safetensors files plus model.safetensors.index.json."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -161,6 +161,31 @@ def test_greedy_decode_with_windows_on_pallas_kernels(hf_checkpoints, name, back
     _check_greedy_decode(hf_checkpoints[name], backend)
 
 
+ON_GPU = jax.default_backend() == "gpu"
+# The head sizes the GPU kernels take (multiples of 8 up to 256), padded inside the kernels
+GPU_HEAD_DIMS = (48, 64, 80, 96, 112, 128, 192, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="compiled Pallas GPU kernels need a CUDA GPU")
+@pytest.mark.parametrize("name", GREEDY_CHECKPOINTS)
+def test_greedy_decode_compiled_on_gpu(hf_checkpoints, name):
+    """Every family on the compiled GPU kernels (Triton lowering), token-exact against
+    transformers."""
+    _check_greedy_decode(hf_checkpoints[name], "pallas_gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="compiled Pallas GPU kernels need a CUDA GPU")
+@pytest.mark.parametrize("head_dim", GPU_HEAD_DIMS)
+def test_greedy_decode_compiled_on_gpu_at_every_head_size(tmp_path, head_dim):
+    pytest.importorskip("transformers")
+    from tests.hf_fixtures import build_llama_with_head_dim
+
+    build_llama_with_head_dim(tmp_path, head_dim)
+    _check_greedy_decode(str(tmp_path), "pallas_gpu")
+
+
 def _check_greedy_decode(path: str, backend: str):
     model, config = _jpaged(path)
     prompts = _prompts(seed=4)
