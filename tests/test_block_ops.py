@@ -133,3 +133,37 @@ def test_padded_operations_change_nothing_and_warm_up_covers_every_shape():
     run(device, [ops.Retain((-1,) * 300), ops.Release((-1,) * 5), ops.Pop(0)], set())
     assert device.compiled == warmed
     assert request.sequences[0].slot == -1
+
+
+def test_room_for_a_loop_is_made_before_its_first_append_is_planned():
+    """A decode loop's first iteration appends on the device after the step's operations. If
+    making room for the loop evicts cached blocks, the mirror must see the eviction before the
+    append too, or the two pop different blocks off their free stacks."""
+    from jpaged.engine.scheduler import Scheduler
+
+    ledger, device = BlockLedger(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS,
+                                 enable_prefix_caching=True), Device()
+    scheduler = Scheduler(ledger, max_num_seqs=MAX_SEQS, max_num_batched_tokens=64,
+                          watermark=0.0, num_scheduler_steps=16)
+
+    def step():
+        schedule = scheduler.schedule()
+        run(device, schedule.block_ops, set())
+        device.append([(row.seq.slot, row.num_tokens) for row in schedule.rows])
+        assert_equal(device, ledger)
+        return schedule
+
+    for index in range(11):     # eleven 4-block prompts, finished and cached: 3 blocks stay free
+        prompt = [index + 1] * (4 * BLOCK_SIZE)
+        scheduler.add(Request(f"cached{index}", None, prompt, SamplingParams(max_tokens=1), 0,
+                              index))
+        (row,) = step().rows
+        ledger.release([row.seq])
+        scheduler.retire(row.request)
+    assert ledger.num_free == NUM_BLOCKS - 1 - 44
+    scheduler.add(Request("decoder", None, [9] * BLOCK_SIZE, SamplingParams(max_tokens=50), 0, 9))
+    (row,) = step().rows                  # its prompt fills one block exactly
+    row.seq.token_ids.append(5)
+    evictable = ledger.num_evictable()
+    schedule = step()                     # a loop: 1 token now and room for 15 more
+    assert schedule.is_loop and ledger.num_evictable() < evictable

@@ -168,6 +168,13 @@ def append_tokens(state: BlockManagerState, seq_ids, num_tokens, *, max_tokens: 
     return _select(ok, new_state, state), result
 
 
+def grow_seqs(state: BlockManagerState, seq_ids, num_tokens) -> BlockManagerState:
+    """append_tokens without a step: the tables grow (blocks popped, copies-on-write moved) but
+    no slot mapping is wanted, so none is kept. For tokens whose KV nobody will read."""
+    max_tokens = state.max_blocks_per_seq * state.block_size
+    return append_tokens(state, seq_ids, num_tokens, max_tokens=max_tokens)[0]
+
+
 def allocate_prompt(state, seq_ids, prompt_lens, *, max_prompt_len: int):
     """Blocks for fresh sequences' prompts: ceil(N / S) each. Same contract as append_tokens."""
     return append_tokens(state, seq_ids, prompt_lens, max_tokens=max_prompt_len)

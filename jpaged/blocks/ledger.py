@@ -17,8 +17,8 @@ half waits until that loop is replayed (`defer_free` / `free_after_loop`, `evict
 import itertools
 
 from jpaged.blocks.mirror import HostBlockMirror
-from jpaged.blocks.ops import (Adopt, BlockOp, Copy, Fork, Free, Pop, Release, Retain, SwapDrop,
-                               SwapIn, SwapOut)
+from jpaged.blocks.ops import (Adopt, Append, BlockOp, Copy, Fork, Free, Pop, Release, Retain,
+                               SwapDrop, SwapIn, SwapOut)
 from jpaged.blocks.prefix_cache import PrefixCache
 from jpaged.request import Request, Sequence, SwapRecord
 
@@ -102,6 +102,19 @@ class BlockLedger:
         if planned:
             self._ops.append(Copy(planned))
         return ok
+
+    def append_unwritten(self, rows: list[tuple[int, int]]):
+        """(slot, num_tokens) rows grow now, in the mirror and (queued) on the device, with no
+        KV written: for context nobody reads (a benchmark's)."""
+        if rows:
+            self._do(Append(tuple(rows)))
+
+    def append_skipped(self, rows: list[tuple[int, int]]):
+        """A step planned with `append` did not run: queue its appends for the device alone
+        (the mirror has them), so both allocators agree again. Must come before any operation
+        decided after that `append`."""
+        if rows:
+            self._ops.append(Append(tuple(rows)))
 
     # ---- frees and forks --------------------------------------------------------------------
     def release(self, sequences: list[Sequence], *, index: bool = True):

@@ -34,6 +34,7 @@ _RELEASE = jax.jit(allocator.release_blocks, donate_argnums=0)
 _POP = jax.jit(allocator.pop_blocks, donate_argnums=0)
 _ADOPT = jax.jit(allocator.adopt_blocks, donate_argnums=0)
 _COPY = jax.jit(kv_cache.copy_blocks, donate_argnums=0)
+_APPEND = jax.jit(allocator.grow_seqs, donate_argnums=0)
 
 
 class DeviceBlocks(Protocol):
@@ -226,6 +227,29 @@ class Adopt(BlockOp):
 
 
 @dataclasses.dataclass(frozen=True)
+class Append(BlockOp):
+    """(slot, num_tokens) rows grow outside a model step, taking blocks exactly as the step's
+    own append would, with no KV written and no copy-on-write contents copied: the device half
+    of a step that failed before it ran (the mirror planned its appends already), or a
+    benchmark's made-up context. Rows pad to the largest bucket: one program, rarely run."""
+    rows: tuple[tuple[int, int], ...]
+    kind: ClassVar[str] = "append"
+
+    def apply(self, mirror):
+        ok, _, _ = mirror.append(list(self.rows))
+        assert ok, "an Append the mirror cannot serve"
+
+    def run(self, device):
+        rows = _padded(list(self.rows), _row_cap(device), width=2)
+        device.manager = device.dispatch((self.kind, rows.shape[0]), _APPEND, device.manager,
+                                         rows[:, 0], np.maximum(rows[:, 1], 0))
+
+    @classmethod
+    def padding(cls, device):
+        return [cls(())]
+
+
+@dataclasses.dataclass(frozen=True)
 class Copy(BlockOp):
     """Copy-on-write contents, (src, dst) block pairs: the mirror's append already moved the
     tables (and the device's append allocates the same destinations); this copies the KV."""
@@ -280,5 +304,5 @@ class SwapDrop(BlockOp):
         device.swap_store.drop(self.handle)
 
 
-OPERATIONS: tuple[type[BlockOp], ...] = (Free, Fork, Retain, Release, Pop, Adopt, Copy, SwapOut,
-                                         SwapIn, SwapDrop)
+OPERATIONS: tuple[type[BlockOp], ...] = (Free, Fork, Retain, Release, Pop, Adopt, Append, Copy,
+                                         SwapOut, SwapIn, SwapDrop)

@@ -222,15 +222,17 @@ class Scheduler:
                 break
             rows += new_rows
             budget -= sum(row.num_tokens for row in new_rows)
+        is_loop = bool(rows) and not self.has_queued and all(
+            row.num_tokens == 1 and row.sample_indices == (row.seq.index,) for row in rows)
+        if is_loop:
+            # Room for every iteration, made before iteration 0's append is planned: the
+            # device applies the evictions first and then appends inside the loop, so the
+            # mirror must see them in that order too, or the two pop different blocks.
+            self.ledger.make_room_for_loop([row.seq for row in rows], self.num_scheduler_steps)
         ok = self.ledger.append([(row.seq.slot, row.num_tokens) for row in rows])
         assert ok, "scheduler admitted rows the block mirror cannot serve"
         for row in rows:
             row.seq.num_computed += row.num_tokens
-        is_loop = bool(rows) and not self.has_queued and all(
-            row.num_tokens == 1 and row.sample_indices == (row.seq.index,) for row in rows)
-        if is_loop:  # iteration 0 is planned above; room for the rest
-            self.ledger.make_room_for_loop([row.seq for row in rows],
-                                           self.num_scheduler_steps - 1)
         return SchedulerOutput(rows, preempted, is_loop, self.ledger.take_ops())
 
     def update(self, outcome, device_freed: list[Sequence], hold_back):
