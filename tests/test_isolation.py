@@ -66,3 +66,49 @@ def test_a_fault_in_one_requests_output_processing_fails_it_alone(
         {k: v.outputs[0].token_ids for k, v in clean.items()}
     assert engine.stats()["num_preemptions"] == 0  # attributed at once: nobody else was touched
     assert engine.num_free_blocks == engine.config.num_kv_blocks - 1
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+@pytest.mark.parametrize("fault_after", [0, 3])  # 0: its prompt's step; 3: a decode step
+def test_a_step_that_raises_for_one_request_fails_it_alone(
+        hf_checkpoints, monkeypatch, clean_outputs, num_scheduler_steps, fault_after):
+    """A fault raised while one request's step is built (before the device changes): the step
+    runs again one request at a time, the faulty request fails with the error, the others
+    finish token-identical to a clean run, and the device allocator equals the mirror."""
+    from tests.test_multistep import assert_mirror_matches_device
+
+    engine = engine_for(hf_checkpoints["llama_gqa"], num_scheduler_steps=num_scheduler_steps,
+                        enable_prefix_caching=True)
+    executor = engine.executor
+    build, launch = executor._build_inputs, executor._launch_fresh
+
+    def bad_slot_in(slots):
+        bad = engine._requests.get("bad")
+        return (bad is not None and len(bad.sequences[0].output_token_ids) >= fault_after
+                and bad.sequences[0].slot in slots)
+
+    def faulty_build(rows, sampling_rows):
+        if bad_slot_in([slot for slot, _ in rows]):
+            raise OverflowError("step inputs overflow")
+        return build(rows, sampling_rows)
+
+    def faulty_launch(rows, *args):
+        if bad_slot_in([slot for slot, _ in rows]):
+            raise OverflowError("step inputs overflow")
+        return launch(rows, *args)
+
+    monkeypatch.setattr(executor, "_build_inputs", faulty_build)
+    monkeypatch.setattr(executor, "_launch_fresh", faulty_launch)
+    got = run(engine, bad_prompt=[21, 22, 23])
+    bad = got["bad"]
+    assert bad.finished and "OverflowError: step inputs overflow" in bad.error
+    assert bad.outputs[0].finish_reason == "error"
+    # a loop launched before the fault's threshold runs its iterations
+    assert fault_after <= len(bad.outputs[0].token_ids) < fault_after + num_scheduler_steps
+    assert {k: v.outputs[0].token_ids for k, v in got.items() if k != "bad"} == \
+        {k: v.outputs[0].token_ids for k, v in clean_outputs.items()}
+    engine.apply_block_ops()
+    assert_mirror_matches_device(engine)
+    engine.ledger.evict_all()
+    engine.apply_block_ops()
+    assert engine.num_free_blocks == engine.config.num_kv_blocks - 1

@@ -698,6 +698,35 @@ def test_a_10mb_body_is_a_413_while_health_stays_fast(keyed_url, declared):
     assert max(latencies) < 0.1, latencies
 
 
+def test_health_stays_fast_while_a_request_with_the_most_stop_strings_runs(keyed_url):
+    """The largest stop set a request may carry (MAX_STOP_STRINGS strings of MAX_STOP_LENGTH
+    characters, none of which occurs) costs the engine thread time linear in the text, so
+    /health answers within 100 ms all the while."""
+    from jpaged.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    stops = [chr(0x4E00 + i) * MAX_STOP_LENGTH for i in range(MAX_STOP_STRINGS)]
+    body = dict(model="tiny", prompt="x = ", max_tokens=200, ignore_eos=True, stop=stops,
+                temperature=0)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            post = asyncio.ensure_future(http.post(f"{keyed_url}/v1/completions",
+                                                   headers=headers, json=body))
+            latencies = []
+            while not post.done():
+                start = time.perf_counter()
+                assert (await http.get(f"{keyed_url}/health")).status_code == 200
+                latencies.append(time.perf_counter() - start)
+                await asyncio.sleep(0.01)
+            return await post, latencies
+
+    reply, latencies = asyncio.run(run())
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 200
+    assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
+
+
 def test_a_long_prompt_under_the_limit_does_not_block_health(keyed_url):
     headers = {"Authorization": f"Bearer {API_KEY}"}
 

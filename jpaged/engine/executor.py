@@ -12,6 +12,7 @@ Shapes are padded to buckets (powers of two between a floor and a cap) so the nu
 compilations is bounded: tokens T, sequences B and sampled rows R; decode-only steps use T = B.
 """
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -37,6 +38,12 @@ def enable_compilation_cache(directory: str):
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+class StepFailed(Exception):
+    """A step raised after its block operations were applied and before it changed any device
+    state (its inputs could not be built or its program not dispatched): the device allocator
+    still stands where the ledger planned the step's appends from. The cause is chained."""
 
 
 @dataclasses.dataclass
@@ -149,18 +156,19 @@ class Executor:
         Returns host numpy (token_ids [R], logprobs [R], top_ids [R, L], top_logprobs [R, L])
         for the len(sampling_rows) real sampled rows.
         """
-        inputs, is_decode = self._build_inputs(rows, sampling_rows)
-        logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
-        key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
-               inputs.logits_indices.shape[0], is_decode, logprob_bucket)
         start = time.perf_counter()
-        packed, layout = pack(inputs)
-        program = step_program(inputs.token_ids.shape[0])
-        self.manager, self.cache, out, ok = self.dispatch(
-            key, program, self.param_leaves, self.manager, self.cache, self._put(packed),
-            layout=layout, model_def=self.model_def, is_decode=is_decode,
-            num_logprobs=logprob_bucket, backend=self.attention_backend,
-            interpret=self.interpret)
+        with self._unchanged_on_failure():
+            inputs, is_decode = self._build_inputs(rows, sampling_rows)
+            logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
+            key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
+                   inputs.logits_indices.shape[0], is_decode, logprob_bucket)
+            packed, layout = pack(inputs)
+            program = step_program(inputs.token_ids.shape[0])
+            self.manager, self.cache, out, ok = self.dispatch(
+                key, program, self.param_leaves, self.manager, self.cache, self._put(packed),
+                layout=layout, model_def=self.model_def, is_decode=is_decode,
+                num_logprobs=logprob_bucket, backend=self.attention_backend,
+                interpret=self.interpret)
         out, ok = jax.device_get((out, ok))
         self.last_device_seconds = time.perf_counter() - start
         if not ok:
@@ -169,6 +177,19 @@ class Executor:
         count = len(sampling_rows)
         return (out.token_ids[:count], out.logprobs[:count], out.top_ids[:count],
                 out.top_logprobs[:count])
+
+    @contextlib.contextmanager
+    def _unchanged_on_failure(self):
+        """Turn an exception raised before a step changed the device state into StepFailed;
+        one that left donated buffers consumed propagates as it is (nothing can be retried)."""
+        before = self.manager
+        try:
+            yield
+        except Exception as err:
+            leaves = jax.tree.leaves((self.manager, self.cache))
+            if self.manager is not before or any(leaf.is_deleted() for leaf in leaves):
+                raise
+            raise StepFailed(f"{type(err).__name__}: {err}") from err
 
     def run_rows(self, rows, block_ops: list) -> list:
         """Apply the step's block operations, then run one compiled step of any mix for the
@@ -198,6 +219,12 @@ class Executor:
         rows: [(seq_id, last_token)], one sampled row each, in order; remaining: [int];
         stop_ids: [[int]] per row.
         """
+        with self._unchanged_on_failure():
+            return self._launch_fresh(rows, sampling_rows, remaining, stop_ids, num_steps,
+                                      max_steps, max_model_len, num_logprobs)
+
+    def _launch_fresh(self, rows, sampling_rows, remaining, stop_ids, num_steps, max_steps,
+                      max_model_len, num_logprobs) -> "LaunchedLoop":
         batch = bucket(len(rows), 4, self.max_num_seqs)
         width = bucket(max((len(ids) for ids in stop_ids), default=1), 16, 1 << 16)
         token_ids = np.zeros(batch, np.int32)

@@ -8,6 +8,7 @@ the sampled tokens into outputs; what finished goes back to the ledger, whose fr
 device with the next step's operations. docs/design.md draws the path of one step.
 """
 
+import itertools
 import time
 from typing import NamedTuple
 
@@ -15,7 +16,7 @@ import jax
 
 from jpaged.blocks.ledger import BlockLedger
 from jpaged.engine.builder import EngineConfig, build_engine_config, resolve_engine_config
-from jpaged.engine.executor import Executor
+from jpaged.engine.executor import Executor, StepFailed
 from jpaged.engine.inputs import InputProcessor
 from jpaged.engine.output import OutputProcessor
 from jpaged.engine.pipeline import DecodePipeline
@@ -160,13 +161,14 @@ class LLMEngine:
         waits, the next loop is dispatched before this one's tokens are processed on the host,
         so the host work overlaps the device; outputs then trail the device by one step.
 
-        An exception while processing one request's outputs fails that request alone: its
-        output comes back finished, finish_reason "error", `error` saying why, its blocks freed.
-        An exception from the step as a whole (scheduling, the executor) is raised: the block
-        mirror has already planned the step's appends, which the device makes only inside the
-        step, so no request can be retried or freed soundly (see docs/design.md).
+        A failure is confined to the request that causes it: an exception while processing one
+        request's outputs fails that request alone (its output comes back finished,
+        finish_reason "error", `error` saying why, its blocks freed); a step that raises before
+        it changed the device runs again one request at a time, and only a request whose own
+        step raises fails. Anything else (scheduling, a failure on the device) is raised.
         """
         start = time.perf_counter()
+        device_freed, failed = [], []
         if self.pipeline.loops:   # decode loops in flight: chain more behind them, fetch one
             rows = self.pipeline.in_flight.rows
             chain = self._loops_to_chain()
@@ -180,23 +182,48 @@ class LLMEngine:
                 self.executor.apply(schedule.block_ops)
                 return []
             rows, is_decode, num_tokens = schedule.rows, schedule.is_decode, schedule.num_tokens
-            if schedule.is_loop:
-                self.pipeline.launch(rows, self.config.num_scheduler_steps, schedule.block_ops)
-                if self._loops_to_chain():
-                    return []  # this loop's tokens come back with the next step
-                results, device_freed = self.pipeline.advance(chain=0)
+            try:
+                if schedule.is_loop:
+                    self.pipeline.launch(rows, self.config.num_scheduler_steps,
+                                         schedule.block_ops)
+                else:
+                    results = self.executor.run_rows(rows, schedule.block_ops)
+            except StepFailed:
+                results, failed = self._run_each_request_alone(rows)
             else:
-                results, device_freed = self.executor.run_rows(rows, schedule.block_ops), []
+                if schedule.is_loop:
+                    if self._loops_to_chain():
+                        return []  # this loop's tokens come back with the next step
+                    results, device_freed = self.pipeline.advance(chain=0)
         device_seconds = self.executor.last_device_seconds
         outcome = self.output.process(results)
         self.scheduler.update(outcome, device_freed, self.pipeline.hold_back)
         for request in outcome.finished_requests:
             self._requests.pop(request.request_id, None)
-        outputs = outcome.outputs + [self._fail(request, err) for request, err in outcome.failed]
+        outputs = outcome.outputs + [self._fail(request, err)
+                                     for request, err in failed + outcome.failed]
         if not self.has_unfinished():
             self.apply_block_ops()  # idle: the device's pool equals the mirror's at once
         self._record(start, device_seconds, rows, is_decode, num_tokens, results)
         return outputs
+
+    def _run_each_request_alone(self, rows) -> tuple[list, list]:
+        """The step raised before it changed the device (StepFailed): run each request's rows
+        as a step of its own, in the step's order, so every block is taken as the ledger
+        planned. A request whose own step raises again is the one to fail; its planned appends
+        are made without a step so the requests after it still get their planned blocks.
+        Returns (results of the requests that ran, [(request, error)] for those that did not)."""
+        results, failed = [], []
+        for request, group in itertools.groupby(rows, key=lambda row: row.request):
+            group = list(group)
+            try:
+                results += self.executor.run_rows(group, [])
+            except StepFailed as err:
+                self.executor.apply(self.scheduler.step_skipped(group))
+                failed.append((request, err.__cause__ or err))
+        assert len({id(request) for request, _ in failed}) == len(failed), \
+            "a request's rows were not contiguous in its step"
+        return results, failed
 
     def _fail(self, request, err: Exception):
         """End a request with finish_reason "error" (its blocks freed) and return its output."""

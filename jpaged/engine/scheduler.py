@@ -235,6 +235,15 @@ class Scheduler:
             row.seq.num_computed += row.num_tokens
         return SchedulerOutput(rows, preempted, is_loop, self.ledger.take_ops())
 
+    def step_skipped(self, rows: list[ScheduledRow]) -> list:
+        """Rows of a step that did not run (it failed before changing the device): their
+        sequences fall back to where the step started, and the returned block operations make
+        the step's planned appends on the device (the KV of those tokens is never read)."""
+        self.ledger.append_skipped([(row.seq.slot, row.num_tokens) for row in rows])
+        for row in rows:
+            row.seq.num_computed = row.start
+        return self.ledger.take_ops()
+
     def update(self, outcome, device_freed: list[Sequence], hold_back):
         """The block side of a step's outcome (`jpaged.engine.output.StepOutcome`): siblings
         fork from their parent (before any free: parents may finish); finished sequences give
