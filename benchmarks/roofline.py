@@ -111,27 +111,25 @@ def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 20) -
     each time, the KV cache and block manager donated from one loop to the next). Two runs, of
     `steps` and of 2 x `steps` loops, each timed from its first launch to its last result; the
     step is their difference over `steps`, so the fixed costs of a run (the first launch, which
-    the device waits for, and the last fetch) cancel. The sequences get blocks through the host
-    mirror and the device operations the scheduler would queue, and are freed afterwards (the
-    mirror replays the loops' appends, so both stay in step)."""
-    runner, mirror = engine.executor, engine.ledger.mirror
-    size, warm = mirror.block_size, 2
+    the device waits for, and the last fetch) cancel. The sequences get their (unwritten)
+    context blocks from the ledger, which afterwards replays the loops' appends and frees them,
+    so the device allocator and the mirror stay in step."""
+    runner, ledger = engine.executor, engine.ledger
+    size, warm = ledger.block_size, 2
     if engine.has_unfinished():
         raise RuntimeError("time_decode_step needs an idle engine")
     loops = warm + 3 * steps
-    blocks_each = (mirror.num_free // batch) - (-(-loops // size))
+    blocks_each = (ledger.num_free // batch) - (-(-loops // size))
     context = min(max_context, blocks_each * size)
     if context < 1:
-        raise ValueError(f"batch {batch} does not fit the pool of {mirror.num_blocks} blocks")
-    count = -(-context // size)
-    ids = mirror.pop(batch * count)
-    items = [(s, ids[s * count:(s + 1) * count], context) for s in range(batch)]
-    mirror.adopt(items)
-    runner.apply_ops([("pop", batch * count), ("adopt", items)])
+        raise ValueError(f"batch {batch} does not fit the pool of {ledger.num_blocks} blocks")
+    slots = ledger.take_slots(batch)
+    ledger.append_unwritten([(slot, context) for slot in slots])
+    runner.apply(ledger.take_ops())
     greedy = SamplingRow(SamplingParams(temperature=0.0), 0, 0, context)
 
     def launch():
-        return runner.launch_decode([(s, 1) for s in range(batch)], [greedy] * batch,
+        return runner.launch_decode([(slot, 1) for slot in slots], [greedy] * batch,
                                     [1 << 20] * batch, [[]] * batch, 1, 1,
                                     engine.config.max_model_len, 0)
 
@@ -158,11 +156,11 @@ def time_decode_step(engine, batch: int, *, max_context: int, steps: int = 20) -
     first_seconds = time.perf_counter() - first_start
     short, dispatched, _ = run(steps)
     long, _, padded = run(2 * steps)
-    for _ in range(loops):
-        assert mirror.append([(s, 1) for s in range(batch)])[0]
-    mirror.free(list(range(batch)))
-    runner.apply_ops([("free", list(range(batch)))])
-    if int(runner.manager.num_free) != mirror.num_free:
+    ledger.replay_decode_loop(slots, [True] * batch, [-1] * batch, loops, first_planned=False)
+    ledger.free(slots)
+    ledger.return_slots(slots)
+    runner.apply(ledger.take_ops())
+    if int(runner.manager.num_free) != ledger.num_free:
         raise RuntimeError("device block manager and host mirror disagree after the roofline")
     # iteration j (0-based, the warm ones included) attends over context + j + 1 tokens
     mean_context = float(np.mean([context + j + 1 for j in range(warm, loops)]))

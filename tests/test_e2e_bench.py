@@ -60,3 +60,16 @@ def test_roofline_table_adds_the_compute_column_only_when_measured():
     assert with_compute.splitlines()[-1].endswith("| 2.00 | 0.50 | 2.00 | 2.00 | 500 |")
     compute_bound = roofline.table([dict(row, compute_floor=0.003)], {"best": 1.5e12})
     assert compute_bound.splitlines()[-1].endswith("| 2.00 | 3.00 | 3.67 | 1.09 | 500 |")
+
+
+def test_time_decode_step_runs_on_an_engine_and_leaves_it_idle():
+    """The roofline's timing drives the engine's own decode loop on made-up context: on the
+    tiny preset it returns a step time (a difference of two runs: its sign is noise on a CPU) and gives every block back."""
+    from jpaged import LLMEngine
+
+    engine = LLMEngine.from_pretrained(None, num_kv_blocks=64, max_num_seqs=4,
+                                       max_model_len=128, dtype="float32")
+    free = engine.num_free_blocks
+    row = roofline.time_decode_step(engine, 4, max_context=40, steps=2)
+    assert row["batch"] == 4 and row["context"] == 40 and row["seconds"] == row["seconds"]
+    assert engine.num_free_blocks == free and engine.ledger.num_free_slots == 4
