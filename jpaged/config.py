@@ -291,6 +291,13 @@ class ModelConfig:
         return window
 
     @property
+    def window_of_every_layer(self) -> int | None:
+        """The window when every layer slides the same one (a sequence's blocks behind it are
+        never read again), else None."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def num_sliding_layers(self) -> int:
         """Layers whose attention a sliding window bounds (`layer_window`)."""
         return sum(self.layer_window(i) is not None for i in range(self.num_hidden_layers))

@@ -31,6 +31,7 @@ class Sequence:
     stop_reason: object = None
     block_keys: list[int] = dataclasses.field(default_factory=list)  # prefix-cache keys (memo)
     num_indexed: int = 0             # leading full blocks already offered to the prefix cache
+    num_trimmed: int = 0             # leading blocks a sliding window let go (sink in its table)
     num_sent: int = 0                # output tokens (and logprobs) already in a DELTA output
     unsent_text: str = ""            # streamed text not yet in a DELTA output
 

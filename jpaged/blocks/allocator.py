@@ -207,14 +207,36 @@ def _drop_references(state: BlockManagerState, ids) -> BlockManagerState:
                                num_free=state.num_free + jnp.sum(released), refcounts=refcounts)
 
 
+def _owned(state: BlockManagerState, active, rows, seq_lens):
+    """[B, M] bool: the table entries rows [B, M] hold a reference on: the first
+    ceil(len / S) of an active row, except SINK_BLOCK entries (blocks a sliding window let go)."""
+    return (active[:, None] & (rows != SINK_BLOCK)
+            & (jnp.arange(state.max_blocks_per_seq)[None]
+               < _cdiv(seq_lens, state.block_size)[:, None]))
+
+
+def trim_seqs(state: BlockManagerState, seq_ids, num_dead) -> BlockManagerState:
+    """The first num_dead[b] table entries of each sequence seq_ids[b] (-1 = padded row) fell
+    out of every layer's sliding window: each drops its reference (blocks reaching zero go back
+    on the stack in first-occurrence order) and becomes SINK_BLOCK. Lengths are unchanged."""
+    active = seq_ids >= 0
+    sid = jnp.where(active, seq_ids, 0)
+    rows = state.block_tables[sid]                                       # [B, M]
+    dead = (_owned(state, active, rows, state.seq_lens[sid])
+            & (jnp.arange(state.max_blocks_per_seq)[None] < num_dead[:, None]))
+    state = _drop_references(state, jnp.where(dead, rows, state.num_blocks).reshape(-1))
+    row = jnp.where(active, sid, state.max_seqs)
+    return dataclasses.replace(state, block_tables=state.block_tables.at[row].set(
+        jnp.where(dead, SINK_BLOCK, rows), mode="drop"))
+
+
 def free_seqs(state: BlockManagerState, seq_ids) -> BlockManagerState:
     """Drop sequences (seq_ids [B], -1 = padded row, no id twice): each of their blocks loses one
     reference, and blocks reaching zero go back on the stack in first-occurrence order."""
     active = seq_ids >= 0
     sid = jnp.where(active, seq_ids, 0)
     rows = state.block_tables[sid]                                       # [B, M]
-    owned = active[:, None] & (jnp.arange(state.max_blocks_per_seq)[None]
-                               < _cdiv(state.seq_lens[sid], state.block_size)[:, None])
+    owned = _owned(state, active, rows, state.seq_lens[sid])
     state = _drop_references(state, jnp.where(owned, rows, state.num_blocks).reshape(-1))
     drop_row = jnp.where(active, sid, state.max_seqs)
     return dataclasses.replace(
@@ -248,8 +270,7 @@ def adopt_blocks(state: BlockManagerState, seq_ids, tables, seq_lens) -> BlockMa
     [B]: each owned entry (the first ceil(len / S)) gains one reference. Used for prefix-cache
     hits (cached blocks) and swap-in (blocks just popped)."""
     active = seq_ids >= 0
-    owned = active[:, None] & (jnp.arange(state.max_blocks_per_seq)[None]
-                               < _cdiv(seq_lens, state.block_size)[:, None])
+    owned = _owned(state, active, tables, seq_lens)
     rows = jnp.where(owned, tables, SINK_BLOCK)
     refcounts = state.refcounts.at[jnp.where(owned, tables, state.num_blocks)].add(
         1, mode="drop")
@@ -270,8 +291,7 @@ def fork_seqs(state: BlockManagerState, parent_ids, child_ids) -> BlockManagerSt
     active = child_ids >= 0
     pid = jnp.where(active, parent_ids, 0)
     rows = state.block_tables[pid]
-    owned = active[:, None] & (jnp.arange(state.max_blocks_per_seq)[None]
-                               < _cdiv(state.seq_lens[pid], state.block_size)[:, None])
+    owned = _owned(state, active, rows, state.seq_lens[pid])
     refcounts = state.refcounts.at[jnp.where(owned, rows, state.num_blocks)].add(1, mode="drop")
     child_row = jnp.where(active, child_ids, state.max_seqs)
     return dataclasses.replace(

@@ -18,7 +18,8 @@ import itertools
 
 from jpaged.blocks.mirror import HostBlockMirror
 from jpaged.blocks.ops import (Adopt, Append, BlockOp, Copy, Fork, Free, Pop, Release, Retain,
-                               SwapDrop, SwapIn, SwapOut)
+                               SwapDrop, SwapIn, SwapOut, Trim)
+from jpaged.kv_cache import SINK_BLOCK
 from jpaged.blocks.prefix_cache import PrefixCache
 from jpaged.request import Request, Sequence, SwapRecord
 
@@ -41,6 +42,7 @@ class BlockLedger:
         self._handles = itertools.count()
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.num_trimmed_blocks = 0     # blocks let go by trim_window (a sliding window)
 
     # ---- the queue --------------------------------------------------------------------------
     def take_ops(self) -> list[BlockOp]:
@@ -116,6 +118,24 @@ class BlockLedger:
         if rows:
             self._ops.append(Append(tuple(rows)))
 
+    def trim_window(self, sequences: list[Sequence], window: int):
+        """For a model whose every layer slides a `window`: let go of the blocks no future
+        query of these sequences can see. The next token to compute sits at num_computed and
+        sees positions above num_computed - window, so a block is dead once its last position
+        is at most num_computed - window. With the prefix cache on, only blocks it has been
+        offered are let go (an entry it has not seen must not turn into the sink first)."""
+        rows = []
+        for seq in sequences:
+            dead = max(0, (seq.num_computed - window + 1) // self.block_size)
+            if self.prefix_cache is not None:
+                dead = min(dead, seq.num_indexed)
+            if seq.slot >= 0 and dead > seq.num_trimmed:
+                rows.append((seq.slot, dead))
+                self.num_trimmed_blocks += dead - seq.num_trimmed
+                seq.num_trimmed = dead
+        if rows:
+            self._released(self._do(Trim(tuple(rows))))
+
     # ---- frees and forks --------------------------------------------------------------------
     def release(self, sequences: list[Sequence], *, index: bool = True):
         """Sequences give up their blocks and slots (their full blocks offered to the prefix
@@ -126,7 +146,7 @@ class BlockLedger:
         self.free(slots)
         self._free_slots.extend(reversed(slots))
         for seq in sequences:
-            seq.slot, seq.num_computed, seq.num_indexed = -1, 0, 0
+            seq.slot, seq.num_computed, seq.num_indexed, seq.num_trimmed = -1, 0, 0, 0
 
     def free(self, slots: list[int]):
         """Free rows' blocks in the mirror and (queued) on the device."""
@@ -148,7 +168,7 @@ class BlockLedger:
         pairs = []
         for child in children:
             child.slot = request.reserved_slots.pop()
-            child.num_computed = parent.num_computed
+            child.num_computed, child.num_trimmed = parent.num_computed, parent.num_trimmed
             pairs.append((parent.slot, child.slot))
         self.fork(pairs)
 
@@ -173,7 +193,7 @@ class BlockLedger:
         for seq in sequences:
             if seq.slot >= 0:
                 self._free_slots.append(seq.slot)
-            seq.slot, seq.num_computed, seq.num_indexed = -1, 0, 0
+            seq.slot, seq.num_computed, seq.num_indexed, seq.num_trimmed = -1, 0, 0, 0
 
     # ---- prefix cache -----------------------------------------------------------------------
     def index(self, sequences):
@@ -327,13 +347,14 @@ class BlockLedger:
 
     # ---- swap -------------------------------------------------------------------------------
     def distinct_blocks(self, sequences) -> list[int]:
-        return list(dict.fromkeys(b for seq in sequences for b in self._mirror.tables[seq.slot]))
+        return list(dict.fromkeys(b for seq in sequences for b in self._mirror.tables[seq.slot]
+                                  if b != SINK_BLOCK))
 
     def swap_out(self, request: Request, live: list[Sequence], blocks: list[int]):
         """Copy the live sequences' distinct blocks to host blocks (one transfer), then free
         them and their slots; the sequences keep num_computed."""
         host_ids = [self.free_host_blocks.pop() for _ in blocks]
-        position = {block: i for i, block in enumerate(blocks)}
+        position = {block: i for i, block in enumerate(blocks)} | {SINK_BLOCK: -1}
         request.swap = SwapRecord(
             next(self._handles), host_ids,
             {seq.index: [position[b] for b in self._mirror.tables[seq.slot]] for seq in live},
@@ -352,7 +373,8 @@ class BlockLedger:
         blocks in (one transfer)."""
         record = request.swap
         fresh = self._do(Pop(len(record.host_ids)))
-        self._do(Adopt(tuple((seq.slot, tuple(fresh[i] for i in record.tables[seq.index]),
+        self._do(Adopt(tuple((seq.slot, tuple(fresh[i] if i >= 0 else SINK_BLOCK
+                                              for i in record.tables[seq.index]),
                               record.lengths[seq.index]) for seq in request.live_sequences)))
         self._ops.append(SwapIn(record.handle, tuple(fresh)))
         self.num_swapped_in_blocks += len(fresh)

@@ -110,12 +110,25 @@ class HostBlockMirror:
     def free(self, seq_ids: list[int]) -> list[int]:
         """Mirror of free_seqs: decrement all, then push zeros in first-occurrence order.
         Returns the blocks that lost a reference, in table order."""
-        touched = [b for s in seq_ids if s >= 0 for b in self.tables[s]]
+        touched = [b for s in seq_ids if s >= 0 for b in self.tables[s] if b != SINK_BLOCK]
         self._drop(touched)
         for s in seq_ids:
             if s >= 0:
                 self.tables[s] = []
                 self.seq_lens[s] = 0
+        return touched
+
+    def trim(self, rows: list[tuple[int, int]]) -> list[int]:
+        """Mirror of trim_seqs over (seq_id, num_dead) rows: the leading entries drop their
+        reference and become SINK_BLOCK. Returns the blocks that lost a reference, in order."""
+        touched = []
+        for seq_id, num_dead in rows:
+            table = self.tables[seq_id]
+            for i in range(min(num_dead, len(table))):
+                if table[i] != SINK_BLOCK:
+                    touched.append(table[i])
+                    table[i] = SINK_BLOCK
+        self._drop(touched)
         return touched
 
     def _drop(self, blocks: list[int]):
@@ -153,7 +166,8 @@ class HostBlockMirror:
             assert not self.tables[seq_id], "adopt into a sequence that holds blocks"
             assert len(blocks) == -(-length // self.block_size)
             for block in blocks:
-                self.refcounts[block] += 1
+                if block != SINK_BLOCK:
+                    self.refcounts[block] += 1
             self.tables[seq_id] = list(blocks)
             self.seq_lens[seq_id] = length
 
@@ -163,7 +177,8 @@ class HostBlockMirror:
             if child < 0:
                 continue
             for block in self.tables[parent]:
-                self.refcounts[block] += 1
+                if block != SINK_BLOCK:
+                    self.refcounts[block] += 1
             self.tables[child] = list(self.tables[parent])
             self.seq_lens[child] = self.seq_lens[parent]
 

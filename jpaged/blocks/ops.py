@@ -35,6 +35,7 @@ _POP = jax.jit(allocator.pop_blocks, donate_argnums=0)
 _ADOPT = jax.jit(allocator.adopt_blocks, donate_argnums=0)
 _COPY = jax.jit(kv_cache.copy_blocks, donate_argnums=0)
 _APPEND = jax.jit(allocator.grow_seqs, donate_argnums=0)
+_TRIM = jax.jit(allocator.trim_seqs, donate_argnums=0)
 
 
 class DeviceBlocks(Protocol):
@@ -128,6 +129,25 @@ class Free(BlockOp):
     @classmethod
     def padding(cls, device):
         return [cls((-1,) * size) for size in bucket_sizes(4, _row_cap(device))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trim(BlockOp):
+    """(slot, num_dead) rows: the leading table entries that fell out of every layer's sliding
+    window drop their reference (back on the free stack at zero) and become the sink block."""
+    rows: tuple[tuple[int, int], ...]
+    kind: ClassVar[str] = "trim"
+
+    def apply(self, mirror):
+        """Returns the blocks that lost a reference (for the prefix cache)."""
+        return mirror.trim(list(self.rows))
+
+    def run(self, device):
+        device.manager = _rows_op(_TRIM, self.kind, device, self.rows, width=2)
+
+    @classmethod
+    def padding(cls, device):
+        return [cls(((-1, 0),) * size) for size in bucket_sizes(4, _row_cap(device))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,5 +324,5 @@ class SwapDrop(BlockOp):
         device.swap_store.drop(self.handle)
 
 
-OPERATIONS: tuple[type[BlockOp], ...] = (Free, Fork, Retain, Release, Pop, Adopt, Append, Copy,
-                                         SwapOut, SwapIn, SwapDrop)
+OPERATIONS: tuple[type[BlockOp], ...] = (Free, Trim, Fork, Retain, Release, Pop, Adopt, Append,
+                                         Copy, SwapOut, SwapIn, SwapDrop)

@@ -55,7 +55,8 @@ class LLMEngine:
             self.ledger, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             preemption_mode=config.preemption_mode,
-            num_scheduler_steps=config.num_scheduler_steps)
+            num_scheduler_steps=config.num_scheduler_steps,
+            sliding_window=model.config.window_of_every_layer)
         self.pipeline = DecodePipeline(self.executor, self.ledger, depth=config.async_depth,
                                        max_model_len=config.max_model_len)
         self.warmup_seconds = 0.0
@@ -280,6 +281,7 @@ class LLMEngine:
             "num_recomputed_tokens": scheduler.num_recomputed_tokens,
             "num_swapped_out_blocks": ledger.num_swapped_out_blocks,
             "num_swapped_in_blocks": ledger.num_swapped_in_blocks,
+            "num_window_freed_blocks": ledger.num_trimmed_blocks,
             "num_free_swap_blocks": len(ledger.free_host_blocks),
             "swap_bytes_out": store.bytes_out if store else 0,
             "swap_bytes_in": store.bytes_in if store else 0,

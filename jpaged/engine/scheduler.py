@@ -67,14 +67,15 @@ class Scheduler:
     """FCFS admission under token, sequence and block budgets; swap or recompute preemption.
 
     ledger: the `BlockLedger` every block decision goes through (its prefix cache, or None, and
-    its host swap blocks). preemption_mode: "swap", "recompute" or "auto"
+    its host swap blocks). sliding_window: set when every layer of the model slides one window;
+    blocks behind it go back to the pool as sequences grow. preemption_mode: "swap", "recompute" or "auto"
     (`swap_policy(num_blocks, num_tokens)` says per victim whether swapping is cheaper;
     recompute until one is set).
     """
 
     def __init__(self, ledger: BlockLedger, *, max_num_seqs: int, max_num_batched_tokens: int,
                  watermark: float = 0.01, preemption_mode: str = "recompute",
-                 num_scheduler_steps: int = 1):
+                 num_scheduler_steps: int = 1, sliding_window: int | None = None):
         assert preemption_mode in PREEMPTION_MODES, preemption_mode  # checked by the options
         self.ledger = ledger
         self.max_num_seqs = max_num_seqs
@@ -82,6 +83,7 @@ class Scheduler:
         self.watermark_blocks = int(watermark * ledger.num_blocks)
         self.preemption_mode = preemption_mode
         self.num_scheduler_steps = num_scheduler_steps
+        self.sliding_window = sliding_window   # every layer's: older blocks go back to the pool
         self.swap_policy = None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -191,7 +193,10 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan()
-        self.ledger.index([seq for r in self.running for seq in r.live_sequences])
+        live = [seq for r in self.running for seq in r.live_sequences]
+        self.ledger.index(live)
+        if self.sliding_window is not None:
+            self.ledger.trim_window(live, self.sliding_window)
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         budget = self.max_num_batched_tokens
