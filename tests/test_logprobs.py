@@ -15,8 +15,10 @@ from jpaged.serve.async_engine import AsyncEngine
 
 NAME = "llama_gqa"
 # block_size 4 and 16-token steps: sequences cross block boundaries and prompts are chunked.
+# Recompute: no swap-rate measurement at start; the pool (63 usable blocks of 4 tokens) is small
+# enough that four long sequences preempt one another.
 OPTIONS = dict(block_size=4, num_kv_blocks=64, max_model_len=128, max_num_seqs=4,
-               max_num_batched_tokens=16)
+               max_num_batched_tokens=16, preemption_mode="recompute")
 TOLERANCE = 1e-4
 
 
@@ -61,9 +63,10 @@ def engines(path):
 
 
 def run(engine, prompts, params):
-    """Outputs of prompts run to the end, in order."""
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"t{index}", prompt_token_ids=prompt, params=params)
+    """Outputs of prompts run to the end, in order; params: one for all, or one per prompt."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for index, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(f"t{index}", prompt_token_ids=prompt, params=param)
     finished = {}
     while engine.has_unfinished():
         finished.update((out.request_id, out) for out in engine.step() if out.finished)
@@ -135,15 +138,15 @@ def test_prompt_logprobs_match_transformers_over_chunks(path, engines, cached):
     assert plain.prompt_logprobs is None and plain.num_cached_tokens == (36 if cached else 0)
 
 
-def test_prompt_logprobs_under_preemption_are_made_once(path):
-    """A pool too small for four growing sequences: requests are preempted and prefilled again;
+def test_prompt_logprobs_under_preemption_are_made_once(path, engines):
+    """The pool cannot hold four growing sequences: requests are preempted and prefilled again;
     each prompt's logprobs still come once, equal to transformers'."""
-    engine = LLMEngine.from_pretrained(path, **(OPTIONS | dict(num_kv_blocks=20)),
-                                       preemption_mode="recompute")
+    engine = engines[False]
     prompts = tokens_of([11, 9, 14, 6], seed=5)
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, prompt_logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, prompt_logprobs=2)
+    before = engine.stats()["num_preemptions"]
     outputs = run(engine, prompts, params)
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats()["num_preemptions"] > before
     for output in outputs:
         check_prompt_logprobs(path, output, 2)
     scores = engine.score(prompts, [out.outputs[0].token_ids for out in outputs])
@@ -154,28 +157,26 @@ def test_prompt_logprobs_under_preemption_are_made_once(path):
 
 
 def test_processed_logprobs_are_those_of_the_distribution_sampled(path, engines):
-    """top_k=1 leaves one token: its processed logprob is 0 while the raw one is transformers'
-    log_softmax; at temperature 0.7 the processed logprob is log_softmax(logits / 0.7)."""
+    """top_k=1 leaves one token: its processed logprob is 0 while the raw one
+    is transformers' log_softmax; at temperature 0.7 the processed logprob is
+    log_softmax(logits / 0.7). One prefill step each (the sampled-token path is the decode
+    loop's too: both call `sample`)."""
     processed = LLMEngine.from_pretrained(path, logprobs_mode="processed_logprobs", **OPTIONS)
-    prompt = tokens_of([10], seed=6)
-    for params, temperature in ((SamplingParams(top_k=1, max_tokens=5, logprobs=2, seed=0,
-                                                ignore_eos=True), None),
-                                (SamplingParams(temperature=0.7, max_tokens=5, logprobs=0,
-                                                seed=1, ignore_eos=True), 0.7)):
-        raw_out = run(engines[True], prompt, params)[0].outputs[0]
-        out = run(processed, prompt, params)[0].outputs[0]
-        assert out.token_ids == raw_out.token_ids   # the same draws, other logprobs
-        tokens = out.token_ids
-        chosen = [entry[token] for token, entry in zip(tokens, out.logprobs)]
-        raw = [entry[token] for token, entry in zip(tokens, raw_out.logprobs)]
-        np.testing.assert_allclose(raw, hf_token_logprobs(path, prompt[0], tokens),
-                                   atol=TOLERANCE)
-        if temperature is None:
-            assert chosen == [0.0] * len(tokens) and max(raw) < 0
-            assert all(sorted(entry.values())[0] == -np.inf for entry in out.logprobs)
-        else:
-            np.testing.assert_allclose(
-                chosen, hf_token_logprobs(path, prompt[0], tokens, temperature), atol=TOLERANCE)
+    prompts = tokens_of([10, 5], seed=6)   # one 16-token step: no decode loop to compile
+    params = [SamplingParams(top_k=1, max_tokens=1, logprobs=0, seed=0),
+              SamplingParams(temperature=0.7, max_tokens=1, logprobs=0, seed=1)]
+    raw_outs = run(engines[True], prompts, params)
+    outs = run(processed, prompts, params)
+    (token, entry), (cool_token, cool_entry) = [
+        (out.outputs[0].token_ids[0], out.outputs[0].logprobs[0]) for out in outs]
+    assert [out.outputs[0].token_ids[0] for out in raw_outs] == [token, cool_token]
+    raw_entry, raw_cool_entry = [out.outputs[0].logprobs[0] for out in raw_outs]
+    assert entry[token] == 0.0
+    for prompt, tok, raw in zip(prompts, (token, cool_token), (raw_entry, raw_cool_entry)):
+        assert abs(raw[tok] - hf_token_logprobs(path, prompt, [tok])[0]) < TOLERANCE
+    assert raw_entry[token] < 0
+    assert abs(cool_entry[cool_token]
+               - hf_token_logprobs(path, prompts[1], [cool_token], 0.7)[0]) < TOLERANCE
 
 
 def test_sampling_params_cap_prompt_logprobs():
@@ -187,8 +188,8 @@ def test_sampling_params_cap_prompt_logprobs():
 
 # ---- the server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def client(path):
-    engine = LLMEngine.from_pretrained(path, **OPTIONS)
+def client(path, engines):
+    engine = engines[True]   # from here on only the app's engine thread drives it
     app = build_app(AsyncEngine(engine, NAME), model_info(engine, path, NAME))
     with TestClient(app) as test_client:
         yield test_client
@@ -205,8 +206,8 @@ def test_server_prompt_logprobs_and_echo(path, client):
         assert abs(entry[str(token)]["logprob"] - table[position - 1, token]) < TOLERANCE
         best = int(np.argmax(table[position - 1]))
         assert entry[str(best)]["rank"] == 1
-    plain = client.post("/v1/completions", json={**body, "logprobs": 1}).json()["choices"][0]
-    echoed = client.post("/v1/completions", json={**body, "logprobs": 1, "echo": True}).json()
+    plain = client.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]
+    echoed = client.post("/v1/completions", json={**body, "logprobs": 0, "echo": True}).json()
     choice = echoed["choices"][0]
     assert "prompt_logprobs" not in choice and choice["text"].endswith(plain["text"])
     logprobs = choice["logprobs"]
@@ -217,7 +218,7 @@ def test_server_prompt_logprobs_and_echo(path, client):
     assert logprobs["token_logprobs"][len(prompt):] == plain["logprobs"]["token_logprobs"]
     assert logprobs["text_offset"][len(prompt)] == len(choice["text"]) - len(plain["text"])
     chat = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0,
         "prompt_logprobs": 0}).json()["choices"][0]
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
     bad = client.post("/v1/completions", json={**body, "prompt_logprobs": 21})
