@@ -87,10 +87,10 @@ def test_a_step_that_raises_for_one_request_fails_it_alone(
         return (bad is not None and len(bad.sequences[0].output_token_ids) >= fault_after
                 and bad.sequences[0].slot in slots)
 
-    def faulty_build(rows, sampling_rows):
+    def faulty_build(rows, *args):
         if bad_slot_in([slot for slot, _ in rows]):
             raise OverflowError("step inputs overflow")
-        return build(rows, sampling_rows)
+        return build(rows, *args)
 
     def faulty_launch(rows, *args):
         if bad_slot_in([slot for slot, _ in rows]):
