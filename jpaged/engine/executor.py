@@ -26,6 +26,7 @@ from jpaged.blocks.swap import SwapStore, transfer_rate_probe
 from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, decode_loop,
                                        fresh_result, pack, result_layout, split_model,
                                        step_program, unpack_host)
+from jpaged.models.weights import parameter_names
 from jpaged.request import Samples
 from jpaged.sampling import (MAX_LOGPROBS, SAMPLER_MODES, SamplingParams, SamplingRow,
                              SamplingTensors, sampler_mode)
@@ -65,6 +66,9 @@ class Executor:
         if config.compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
         self.model_def, self.param_leaves = split_model(model)
+        # Committed to their devices (no copy), as replacements (`replace_params`) will be: jit
+        # keys its cache on commitment, so an update would otherwise compile every program again.
+        self.param_leaves = [jax.device_put(leaf, leaf.sharding) for leaf in self.param_leaves]
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -369,6 +373,30 @@ class Executor:
         logits_indices[:len(sampling_rows)] = [last_token[row] for row, _ in sampling_rows]
         sampling = SamplingTensors.from_rows([r for _, r in sampling_rows], samples)
         return StepInputs(token_ids, seq_ids, query_lens, logits_indices, sampling), is_decode
+
+    # ---- weights ----------------------------------------------------------------------------
+    @functools.cached_property
+    def param_index(self) -> dict[str, int]:
+        """{parameter name: its index in param_leaves}."""
+        return {name: i for i, name in enumerate(parameter_names(self.model_def.treedef))}
+
+    def named_params(self) -> dict[str, jax.Array]:
+        return {name: self.param_leaves[i] for name, i in self.param_index.items()}
+
+    def replace_params(self, named_values):
+        """Swap parameters, one at a time, for new arrays of the same shape, dtype and sharding:
+        the programs take the leaves as an argument, so nothing compiles again. Each old array
+        loses the executor's reference before the next new one is made, so its memory is free
+        by then unless something else holds it (a program dispatched earlier finishes on it)."""
+        for name, value in named_values:
+            index = self.param_index[name]
+            old = self.param_leaves[index]
+            if (value.shape, value.dtype, value.sharding) != (old.shape, old.dtype, old.sharding):
+                raise RuntimeError(f"parameter {name}: replacement {value.shape} {value.dtype} "
+                                   f"{value.sharding} differs from {old.shape} {old.dtype} "
+                                   f"{old.sharding}")
+            self.param_leaves[index] = value
+            del old
 
     # ---- stats ------------------------------------------------------------------------------
     @property
