@@ -102,24 +102,30 @@ class _Targets:
                 self.shapes[part] = jax.ShapeDtypeStruct(shape, struct.dtype)
                 self.owner[part] = name
 
-    def packed(self, tensors):
-        """(parameter name, array in the checkpoint layout) from (checkpoint name, array) pairs
-        in any order: a packed parameter comes once all its parts have arrived (so memory holds
+    def grouped(self, tensors):
+        """(parameter name, its parts' arrays in packing order) from (checkpoint name, array)
+        pairs in any order: a parameter comes once all its parts have arrived (so memory holds
         at most the parts of the parameters in progress). Numpy or jax arrays."""
         pending = {}
         for part, array in tensors:
             name = self.owner[part]
             packed = self.params[name][2]
             if packed is None:
-                yield name, array
+                yield name, [array]
                 continue
             parts = pending.setdefault(name, {})
             parts[part] = array
             if len(parts) == len(packed.parts):
                 del pending[name]
-                yield name, packed.pack([parts[p] for p in packed.parts])
+                yield name, [parts[p] for p in packed.parts]
         if pending:
             raise ValueError(f"parts of {sorted(pending)} never arrived")
+
+    def packed(self, tensors):
+        """(parameter name, array in the checkpoint layout), packed from its parts (`grouped`)."""
+        for name, parts in self.grouped(tensors):
+            packed = self.params[name][2]
+            yield name, parts[0] if packed is None else packed.pack(parts)
 
     def assemble(self, tensors, place):
         """The filled nnx state from (checkpoint name, host array) pairs (`packed`), each

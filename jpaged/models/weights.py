@@ -13,8 +13,8 @@ tensors of another precision are cast to the parameter's dtype, as the loader do
 
 Host arrays are packed on the host and placed straight into their shards (one transfer per
 parameter). Jax arrays stay on the device: packed, transposed, cast and resharded there by one
-jitted program per parameter layout (never through the host); the caller's arrays are not
-consumed.
+jitted program per parameter layout (never through the host; a parameter mixing host and jax
+parts takes that path too); the caller's arrays are not consumed.
 """
 
 import functools
@@ -107,13 +107,14 @@ def _check_tensor(name: str, array, expected: jax.ShapeDtypeStruct):
 
 def _placed(targets, tensors, current: dict):
     """(parameter name, value on the device) from checked (checkpoint name, array) pairs."""
-    for name, array in targets.packed(_casted(targets, tensors, current)):
-        sharding = current[name].sharding
-        if isinstance(array, np.ndarray):
+    for name, parts in targets.grouped(_casted(targets, tensors, current)):
+        packed, sharding = targets.params[name][2], current[name].sharding
+        if all(isinstance(part, np.ndarray) for part in parts):
+            array = parts[0] if packed is None else packed.pack(parts)
             yield name, place_parameter(name, array, sharding)
         else:
-            yield name, _device_program(packing.is_transposed(name), current[name].dtype,
-                                        sharding)(array)
+            yield name, _device_program(packed, packing.is_transposed(name), current[name].dtype,
+                                        sharding)(*parts)
 
 
 def _casted(targets, tensors, current: dict):
@@ -137,10 +138,12 @@ def _replicated(sharding):
 
 
 @functools.lru_cache(maxsize=None)
-def _device_program(transposed: bool, dtype, sharding):
-    """A parameter from a device array in the checkpoint layout: transposed when stored so,
-    cast, and laid out on `sharding` (the replaced parameter's), in one jitted program. The
-    input is not donated: it is the caller's."""
-    def convert(array):
+def _device_program(packed, transposed: bool, dtype, sharding):
+    """A parameter from its parts' device arrays in the checkpoint layout: packed (a `Packing`,
+    or None for one part), transposed when stored so, cast, and laid out on `sharding` (the
+    replaced parameter's), in one jitted program. The inputs are not donated: they are the
+    caller's."""
+    def convert(*parts):
+        array = parts[0] if packed is None else packed.pack(parts)
         return (array.T if transposed else array).astype(dtype)
     return jax.jit(convert, out_shardings=sharding)
