@@ -109,6 +109,18 @@ class LLM:
         bar.close()
         return [finished[request_id] for request_id in request_ids]
 
+    def update_weights(self, weights) -> None:
+        """Replace the model's weights in place between generate calls, with no new compilation
+        (reinforcement-learning rollouts): a Mapping {Hugging Face tensor name: numpy or jax
+        array, in the checkpoint's layout} or a checkpoint directory. A bad tensor raises
+        ValueError naming it and changes nothing. The prefix cache is emptied; see
+        `LLMEngine.update_weights` for requests in flight."""
+        self.engine.update_weights(weights)
+
+    def get_weights(self) -> dict:
+        """{Hugging Face tensor name: jax array}: the weights as `update_weights` takes them."""
+        return self.engine.get_weights()
+
     def stats(self) -> dict:
         """num_kv_blocks, num_free_blocks, num_compilations, num_preemptions, and more."""
         return self.engine.stats()

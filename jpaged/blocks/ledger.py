@@ -15,12 +15,13 @@ half waits until that loop is replayed (`defer_free` / `free_after_loop`, `evict
 """
 
 import itertools
+import weakref
 
 from jpaged.blocks.mirror import HostBlockMirror
 from jpaged.blocks.ops import (Adopt, Append, BlockOp, Copy, Fork, Free, Pop, Release, Retain,
                                SwapDrop, SwapIn, SwapOut, Trim)
-from jpaged.kv_cache import SINK_BLOCK
 from jpaged.blocks.prefix_cache import PrefixCache
+from jpaged.kv_cache import SINK_BLOCK
 from jpaged.request import Request, Sequence, SwapRecord
 
 
@@ -43,6 +44,7 @@ class BlockLedger:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.num_trimmed_blocks = 0     # blocks let go by trim_window (a sliding window)
+        self._stale: weakref.WeakSet[Sequence] = weakref.WeakSet()  # KV from replaced weights
 
     # ---- the queue --------------------------------------------------------------------------
     def take_ops(self) -> list[BlockOp]:
@@ -147,6 +149,7 @@ class BlockLedger:
         self._free_slots.extend(reversed(slots))
         for seq in sequences:
             seq.slot, seq.num_computed, seq.num_indexed, seq.num_trimmed = -1, 0, 0, 0
+            self._stale.discard(seq)
 
     def free(self, slots: list[int]):
         """Free rows' blocks in the mirror and (queued) on the device."""
@@ -194,6 +197,7 @@ class BlockLedger:
             if seq.slot >= 0:
                 self._free_slots.append(seq.slot)
             seq.slot, seq.num_computed, seq.num_indexed, seq.num_trimmed = -1, 0, 0, 0
+            self._stale.discard(seq)
 
     # ---- prefix cache -----------------------------------------------------------------------
     def index(self, sequences):
@@ -206,7 +210,7 @@ class BlockLedger:
         size, retained = self.block_size, []
         for seq in sequences:
             full = seq.num_computed // size
-            if seq.slot < 0 or seq.num_indexed >= full:
+            if seq.slot < 0 or seq.num_indexed >= full or seq in self._stale:
                 continue
             table = self._mirror.tables[seq.slot]
             keys = cache.keys_for(seq.token_ids, seq.block_keys, full)
@@ -234,6 +238,27 @@ class BlockLedger:
     def evict_all(self):
         """Return every cached block nobody holds to the free stack."""
         self.evict(self.num_evictable())
+
+    def invalidate_prefix_cache(self, live: list[Sequence], *, behind_loop: bool) -> list[int]:
+        """The KV cached so far came from other weights: unindex every cached block (held ones
+        too, so no new request adopts them) and release the cache's reference on each, and never
+        index the `live` sequences' blocks (what they computed so far is stale too; a sequence
+        that gives up its blocks, e.g. to be recomputed, is indexable again).
+
+        behind_loop: decode loops are in flight; the device release lands after them, and the
+        caller applies the returned blocks to the mirror with `release_after_loop` once the
+        newest is replayed. Otherwise the mirror is updated now and [] is returned."""
+        self._stale.update(live)
+        if self.prefix_cache is None:
+            return []
+        dropped = tuple(self.prefix_cache.clear())
+        if not dropped:
+            return []
+        if behind_loop:
+            self._ops.append(Release(dropped))
+            return list(dropped)
+        self._do(Release(dropped))
+        return []
 
     def evict_behind_loop(self, count: int) -> list[int] | None:
         """Evict `count` cached blocks while a decode loop is in flight: the device release is

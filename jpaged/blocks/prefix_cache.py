@@ -132,6 +132,16 @@ class PrefixCache:
                 self._unindex(block, dropped)
         return dropped
 
+    def clear(self) -> list[int]:
+        """Unindex every block, held or not (their KV is no longer what a lookup would expect:
+        the weights changed). Returns them: the caller releases the cache's reference on each.
+        Hit counters are kept."""
+        dropped = list(self.entries)
+        self.entries.clear()
+        self.by_key.clear()
+        self.evictable.clear()
+        return dropped
+
     def _unindex(self, block: int, dropped: list[int]):
         stack = [block]
         while stack:

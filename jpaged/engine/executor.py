@@ -28,6 +28,7 @@ from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, d
                                        fresh_result, pack, result_layout, split_model,
                                        step_program, unpack_host)
 from jpaged.logprobs import PositionRows
+from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
 from jpaged.sampling import (MAX_LOGPROBS, SAMPLER_MODES, SamplingParams, SamplingRow,
                              SamplingTensors, sampler_mode)
@@ -73,6 +74,9 @@ class Executor:
         if config.compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
         self.model_def, self.param_leaves = split_model(model)
+        # Committed to their devices (no copy), as replacements (`replace_params`) will be: jit
+        # keys its cache on commitment, so an update would otherwise compile every program again.
+        self.param_leaves = [jax.device_put(leaf, leaf.sharding) for leaf in self.param_leaves]
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -428,6 +432,37 @@ class Executor:
                 bucket(len(scored), 16, max(16, self.max_num_batched_tokens)))
         return StepInputs(token_ids, seq_ids, query_lens, logits_indices, sampling,
                           positions), is_decode
+
+    # ---- weights ----------------------------------------------------------------------------
+    @functools.cached_property
+    def param_index(self) -> dict[str, int]:
+        """{parameter name: its index in param_leaves}."""
+        return {name: i for i, name in enumerate(parameter_names(self.model_def.treedef))}
+
+    def new_params(self, weights):
+        """`weights.new_parameters` for this executor's model: every tensor checked now, then
+        an iterator of (parameter name, new value) for `replace_params`."""
+        current = {name: self.param_leaves[i] for name, i in self.param_index.items()}
+        return new_parameters(self.model_def.merge(self.param_leaves), weights, current)
+
+    def checkpoint_weights(self) -> dict[str, jax.Array]:
+        """{Hugging Face tensor name: array in the checkpoint layout} of the parameters."""
+        return checkpoint_weights(self.model_def.merge(self.param_leaves))
+
+    def replace_params(self, named_values):
+        """Swap parameters, one at a time, for new arrays of the same shape, dtype and sharding:
+        the programs take the leaves as an argument, so nothing compiles again. Each old array
+        loses the executor's reference before the next new one is made, so its memory is free
+        by then unless something else holds it (a program dispatched earlier finishes on it)."""
+        for name, value in named_values:
+            index = self.param_index[name]
+            old = self.param_leaves[index]
+            if (value.shape, value.dtype, value.sharding) != (old.shape, old.dtype, old.sharding):
+                raise RuntimeError(f"parameter {name}: replacement {value.shape} {value.dtype} "
+                                   f"{value.sharding} differs from {old.shape} {old.dtype} "
+                                   f"{old.sharding}")
+            self.param_leaves[index] = value
+            del old
 
     # ---- stats ------------------------------------------------------------------------------
     @property

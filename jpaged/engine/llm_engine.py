@@ -285,6 +285,36 @@ class LLMEngine:
                 sum(len(samples.token_ids) for _, _, samples in results), device_seconds,
                 total_seconds - device_seconds, self.executor.last_step_compiled))
 
+    # ---- weights ----------------------------------------------------------------------------
+    def update_weights(self, weights) -> None:
+        """Replace the model's weights in place, between steps, without compiling anything.
+
+        weights: a Mapping {Hugging Face tensor name: numpy or jax array in the checkpoint's
+        layout and shape} holding every tensor the model needs, or a checkpoint directory.
+        Every tensor is checked first: a missing, extra, mis-shaped or non-floating one raises
+        ValueError naming it, and the old weights stay. Jax arrays already on the engine's
+        devices are converted there; parameters are replaced one at a time.
+
+        Every cached prefix block is dropped (its KV came from the old weights), and what
+        requests in flight computed so far is never cached. Requests in flight continue with
+        the new weights from their next step, attending over the KV the old weights wrote;
+        decode loops already dispatched (async scheduling) finish with the old weights.
+        """
+        values = self.executor.new_params(weights)   # every tensor checked here
+        live = [seq for request in self._requests.values() for seq in request.sequences]
+        if self.pipeline.loops:
+            self.pipeline.newest.releases.extend(
+                self.ledger.invalidate_prefix_cache(live, behind_loop=True))
+        else:
+            self.ledger.invalidate_prefix_cache(live, behind_loop=False)
+            self.apply_block_ops()
+        self.executor.replace_params(values)
+
+    def get_weights(self) -> dict:
+        """{Hugging Face tensor name: jax array in the checkpoint's layout}: what
+        `update_weights` takes, and what a checkpoint of the model would hold."""
+        return self.executor.checkpoint_weights()
+
     # ---- introspection ----------------------------------------------------------------------
     @property
     def eos_token_ids(self) -> tuple:

@@ -73,25 +73,12 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
     targets = _Targets(config, dtype, mesh)
 
     def place(name, array):
-        """A host tensor (packed, in the checkpoint layout) on the device as parameter `name`,
-        or straight into its shards; transposed there when the parameter is stored so."""
-        transposed = packing.is_transposed(name)
-        shape = array.shape[::-1] if transposed else array.shape
-        sharding = None if mesh is None else parallel.param_sharding(name, shape, config, mesh)
-        if not transposed:
-            return jax.device_put(array, sharding)
-        checkpoint_sharding = None if mesh is None else NamedSharding(
-            mesh, PartitionSpec(*_padded(sharding.spec, len(shape))[::-1]))
-        return _transpose_program(sharding)(jax.device_put(array, checkpoint_sharding))
+        """A host tensor (packed, in the checkpoint layout) straight into its shards."""
+        shape = array.shape[::-1] if packing.is_transposed(name) else array.shape
+        return place_parameter(name, array, None if mesh is None
+                               else parallel.param_sharding(name, shape, config, mesh))
 
-    if _is_orbax(model_dir):
-        state = _read_orbax_state(targets, model_dir / ORBAX_DIR, config, place)
-    else:
-        prefix = config.checkpoint_prefix
-        tensor_files = _tensor_files(model_dir, prefix)
-        _check_names(targets.shapes, tensor_files, config, model_dir)
-        _check_headers(targets.shapes, tensor_files, prefix)
-        state = _read_state(targets, tensor_files, place, prefix)
+    state = targets.assemble(checkpoint_stream(targets, model_dir, config), place)
     return nnx.merge(targets.graphdef, state), config
 
 
@@ -115,26 +102,45 @@ class _Targets:
                 self.shapes[part] = jax.ShapeDtypeStruct(shape, struct.dtype)
                 self.owner[part] = name
 
-    def assemble(self, tensors, place):
-        """The filled nnx state from (checkpoint name, host array) pairs, in any order: a packed
-        parameter is packed and placed once all its parts have arrived (so host memory holds
-        at most the parts of the parameters in progress)."""
-        pending, loaded = {}, []
+    def grouped(self, tensors):
+        """(parameter name, its parts' arrays in packing order) from (checkpoint name, array)
+        pairs in any order: a parameter comes once all its parts have arrived (so memory holds
+        at most the parts of the parameters in progress). Numpy or jax arrays."""
+        pending = {}
         for part, array in tensors:
             name = self.owner[part]
-            path, var, packed = self.params[name]
+            packed = self.params[name][2]
             if packed is None:
-                loaded.append((path, var.replace(place(name, array))))
+                yield name, [array]
                 continue
             parts = pending.setdefault(name, {})
             parts[part] = array
             if len(parts) == len(packed.parts):
                 del pending[name]
-                array = packed.pack([parts[p] for p in packed.parts])
-                loaded.append((path, var.replace(place(name, array))))
+                yield name, [parts[p] for p in packed.parts]
         if pending:
             raise ValueError(f"parts of {sorted(pending)} never arrived")
+
+    def packed(self, tensors):
+        """(parameter name, array in the checkpoint layout), packed from its parts (`grouped`)."""
+        for name, parts in self.grouped(tensors):
+            packed = self.params[name][2]
+            yield name, parts[0] if packed is None else packed.pack(parts)
+
+    def assemble(self, tensors, place):
+        """The filled nnx state from (checkpoint name, host array) pairs (`packed`), each
+        parameter `place`d on the device as it is completed."""
+        loaded = []
+        for name, array in self.packed(tensors):
+            path, var, _ = self.params[name]
+            loaded.append((path, var.replace(place(name, array))))
         return nnx.from_flat_state(loaded)
+
+
+def parameter_targets(config: ModelConfig, dtype, mesh=None) -> _Targets:
+    """The map between a model's parameters and its checkpoint tensors (`_Targets`), for
+    callers that move weights in and out of a model already built (`jpaged.models.weights`)."""
+    return _Targets(config, jnp.dtype(dtype), mesh)
 
 
 def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, jax.Array]:
@@ -205,6 +211,32 @@ def _transpose_program(sharding):
     if sharding is None:
         return jax.jit(jnp.transpose, donate_argnums=0)
     return jax.jit(jnp.transpose, out_shardings=sharding, donate_argnums=0)
+
+
+def place_parameter(name: str, array, sharding):
+    """Parameter `name` from its host array in the checkpoint layout (packed), on `sharding`
+    (None: the default device, uncommitted): transposed on the device when the parameter is
+    stored so, the checkpoint-layout copy consumed by the transpose."""
+    if not packing.is_transposed(name):
+        return jax.device_put(array, sharding)
+    checkpoint_sharding = sharding
+    if isinstance(sharding, NamedSharding):
+        checkpoint_sharding = NamedSharding(
+            sharding.mesh, PartitionSpec(*_padded(sharding.spec, array.ndim)[::-1]))
+    return _transpose_program(sharding)(jax.device_put(array, checkpoint_sharding))
+
+
+def checkpoint_stream(targets: "_Targets", model_dir: Path, config: ModelConfig):
+    """(checkpoint name, host array cast to the parameter dtype) for every tensor the model
+    needs from a directory (safetensors or orbax). Every name, shape and dtype is checked now,
+    before the first tensor is read or anything is placed: a ValueError names the bad one."""
+    if _is_orbax(model_dir):
+        return _orbax_stream(targets, model_dir / ORBAX_DIR, config)
+    prefix = config.checkpoint_prefix
+    tensor_files = _tensor_files(model_dir, prefix)
+    _check_names(targets.shapes, tensor_files, config, model_dir)
+    _check_headers(targets.shapes, tensor_files, prefix)
+    return _read_tensors(targets, tensor_files, prefix)
 
 
 def _padded(spec, ndim: int) -> tuple:
@@ -295,15 +327,13 @@ def _check_headers(wanted: dict, tensor_files: dict, prefix: str):
                                      f"expected one of {', '.join(_FLOAT_DTYPES)}")
 
 
-def _read_state(targets: _Targets, tensor_files: dict, place, prefix: str):
-    """The filled nnx state: each file opened once, each tensor read, cast and `place`d (their
-    names, shapes and dtypes already checked: `_check_headers`)."""
-    def tensors():
-        for file, names in _group_by_file(tensor_files, targets.shapes).items():
-            with _open(file, prefix) as reader:
-                for name in names:
-                    yield name, _read_tensor(reader, name, file, targets.shapes[name])
-    return targets.assemble(tensors(), place)
+def _read_tensors(targets: _Targets, tensor_files: dict, prefix: str):
+    """Each file opened once, each tensor read and cast (their names, shapes and dtypes already
+    checked: `_check_headers`)."""
+    for file, names in _group_by_file(tensor_files, targets.shapes).items():
+        with _open(file, prefix) as reader:
+            for name in names:
+                yield name, _read_tensor(reader, name, file, targets.shapes[name])
 
 
 def _group_by_file(tensor_files: dict, wanted: dict) -> dict[Path, list[str]]:
@@ -367,9 +397,9 @@ def _is_orbax(model_dir: Path) -> bool:
             and not (model_dir / INDEX_FILE).is_file())
 
 
-def _read_orbax_state(targets: _Targets, folder: Path, config: ModelConfig, place):
-    """The filled nnx state from an orbax checkpoint; names and shapes checked from its metadata
-    before any tensor is read."""
+def _orbax_stream(targets: _Targets, folder: Path, config: ModelConfig):
+    """`checkpoint_stream` of an orbax checkpoint; names and shapes checked from its metadata
+    before any tensor is read, dtypes once it is restored (one call), before any is yielded."""
     import orbax.checkpoint as ocp  # imported here: it is slow to import and most models are HF
 
     folder = folder.resolve()  # orbax finds no metadata under a relative path
@@ -398,11 +428,9 @@ def _read_orbax_state(targets: _Targets, folder: Path, config: ModelConfig, plac
     arrays = {".".join(str(k.key) for k in path): leaf
               for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
 
-    def tensors():
-        for name, struct in sorted(targets.shapes.items()):
-            array = np.asarray(arrays[name])
-            if not jnp.issubdtype(array.dtype, jnp.floating):
-                raise ValueError(f"{folder}: tensor {name} has dtype {array.dtype}, expected "
-                                 "floating point")
-            yield name, array.astype(struct.dtype, copy=False)
-    return targets.assemble(tensors(), place)
+    for name in sorted(targets.shapes):
+        dtype = np.asarray(arrays[name]).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"{folder}: tensor {name} has dtype {dtype}, expected floating point")
+    return ((name, np.asarray(arrays[name]).astype(struct.dtype, copy=False))
+            for name, struct in sorted(targets.shapes.items()))
