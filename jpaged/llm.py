@@ -4,10 +4,11 @@ import dataclasses
 import itertools
 import time
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine, completion_logprobs
 from jpaged.options import options_doc
 from jpaged.request import RequestOutput
 from jpaged.sampling import RequestOutputKind, SamplingParams
@@ -55,6 +56,22 @@ class LLM:
         self.engine.add_requests([dict(request_id=request_id, params=param, **item)
                                   for request_id, param, item in zip(request_ids, params, inputs)])
         return self._run(request_ids, use_tqdm)
+
+    def score(self, prompt_token_ids: list[list[int]], completion_token_ids: list[list[int]], *,
+              temperature: float = 1.0, use_tqdm: bool = False) -> list[np.ndarray]:
+        """For each (prompt, completion) pair, float32 [len(completion)]: log p(completion[i] |
+        prompt + completion[:i]) under log_softmax(logits / temperature).
+
+        Each pair runs as a request through the engine's batched, chunked prefill; only the
+        completion's positions are scored, so prompt blocks shared by several completions
+        come from the prefix cache. All pairs are checked before any runs.
+        """
+        request_ids = [f"score-{next(self._ids)}" for _ in prompt_token_ids]
+        self.engine.add_score_requests(request_ids, prompt_token_ids, completion_token_ids,
+                                       temperature=temperature)
+        outputs = self._run(request_ids, use_tqdm)
+        return [completion_logprobs(output, len(completion))
+                for output, completion in zip(outputs, completion_token_ids)]
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search with transformers' semantics (see `jpaged.engine.beam_search`); beams share

@@ -17,6 +17,8 @@ from jpaged.config import DTYPE_BYTES, normalize_dtype
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+# What CompletionOutput.logprobs report (vLLM's names; jpaged.sampling.sample applies them).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # What jpaged.models.loader reads; tests/test_config.py keeps the loader's own copy equal to this.
 LOAD_FORMATS = ("auto", "dummy")
 # Options that load a model (from_pretrained); from_model, given a built model, refuses them.
@@ -165,6 +167,10 @@ OPTIONS: tuple[Option, ...] = (
            "to host memory (swap), dropped and prefilled again later (recompute), or whichever "
            "the transfer and prefill rates measured at start say is cheaper for that victim "
            "(auto; recompute under tensor or data parallelism)", choices=PREEMPTION_MODES),
+    Option("logprobs_mode", str, "raw_logprobs", "what the sampled tokens' logprobs report: "
+           "log_softmax of the raw model logits (raw_logprobs), or of the distribution sampled "
+           "from, after temperature and top-k/top-p/min-p (processed_logprobs)",
+           choices=LOGPROBS_MODES),
     Option("swap_space", float, 4.0, "GiB of host memory for swapped-out KV blocks (0: never "
            "swap)", gibibytes),
     Option("tensor_parallel_size", int, 1, "devices each engine splits the model and KV cache "
@@ -244,6 +250,7 @@ class EngineConfig:
     enable_prefix_caching: bool = _default("enable_prefix_caching")
     preemption_mode: str = _default("preemption_mode")
     swap_space: float = _default("swap_space")
+    logprobs_mode: str = _default("logprobs_mode")
     tensor_parallel_size: int = _default("tensor_parallel_size")
 
     def __post_init__(self):

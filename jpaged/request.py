@@ -67,6 +67,11 @@ class Request:
     num_recomputed_tokens: int = 0
     num_cached_tokens: int = 0         # prefix-cache hit tokens at its latest admission
     swap: "SwapRecord | None" = None   # where its blocks are while SWAPPED
+    # Prompt logprobs (params.prompt_logprobs set): prompt tokens from score_from on get an
+    # entry, under log_softmax(logits / score_temperature); `LLM.score` asks for a suffix.
+    score_from: int = 1
+    score_temperature: float = 1.0
+    prompt_logprobs: list = dataclasses.field(default_factory=list)  # entry i: prompt token i
 
     def __post_init__(self):
         if not self.sequences:
@@ -83,6 +88,28 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.is_forked and all(seq.finish_reason is not None for seq in self.sequences)
+
+    @property
+    def next_scored(self) -> int:
+        """The first prompt token whose logprob is still owed (the prompt's length: none).
+        Entries already made are never computed again (chunks, preemption, recompute)."""
+        if self.params.prompt_logprobs is None:
+            return len(self.prompt_token_ids)
+        return max(self.score_from, len(self.prompt_logprobs))
+
+    def scored_range(self, start: int, num_tokens: int) -> range:
+        """Token indices in [start, start + num_tokens) whose logits give an owed prompt
+        token's logprob (index j predicts prompt token j + 1)."""
+        return range(max(start, self.next_scored - 1),
+                     min(start + num_tokens, len(self.prompt_token_ids) - 1))
+
+    @property
+    def num_cacheable_tokens(self) -> int | None:
+        """At most this many leading tokens may come from the prefix cache (None: any): the
+        logits of the position before the first owed prompt token must be computed."""
+        if self.next_scored >= len(self.prompt_token_ids):
+            return None
+        return self.next_scored - 1
 
 
 class Samples(NamedTuple):
@@ -127,3 +154,6 @@ class RequestOutput:
     num_recomputed_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # why the engine failed this request (its finish_reason: "error")
+    # params.prompt_logprobs set: one entry per prompt token, None for the first (and, for
+    # `LLM.score`, for the given prompt), else {token id: logprob} with the token and the top k.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

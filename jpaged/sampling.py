@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jpaged.options import LOGPROBS_MODES
+
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy (argmax), as in vLLM
 SEED_MODULUS = 2**32       # device seeds are uint32: seeds equal modulo 2**32 give the same stream
@@ -111,13 +113,16 @@ class SamplingParams:
     tuple of str and `stop_token_ids` a tuple of int (both possibly empty), so instances are
     hashable. A temperature below GREEDY_TEMPERATURE (e.g. 0) means greedy decoding. `seed=None`
     means the engine draws one (see `request_seed`). `logprobs=k` asks for the k most likely
-    tokens' logprobs at each step (0: only the chosen token's).
+    tokens' logprobs at each step (0: only the chosen token's). `prompt_logprobs=k` asks for
+    each prompt token's logprob and the k most likely tokens at its position (vLLM's semantics:
+    the first prompt token has none).
 
     Caps (module constants, named in the errors): temperature <= MAX_TEMPERATURE; top_k <=
     MAX_INT32 (an int32 on the device; a top_k >= the vocabulary turns the filter off, as vLLM);
     top_p and a nonzero min_p must stay nonzero as float32; at most MAX_STOP_STRINGS stop strings
     of at most MAX_STOP_LENGTH characters; at most MAX_STOP_TOKEN_IDS stop_token_ids, each <=
-    MAX_INT32 (the engine also checks them against its vocabulary); logprobs <= MAX_LOGPROBS.
+    MAX_INT32 (the engine also checks them against its vocabulary); logprobs and prompt_logprobs
+    <= MAX_LOGPROBS.
     """
     n: int = 1
     temperature: float = 1.0
@@ -130,6 +135,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
@@ -145,6 +151,8 @@ class SamplingParams:
             "stop_token_ids": self._checked_stop_token_ids(),
             "logprobs": (None if self.logprobs is None
                          else _check_int("logprobs", self.logprobs, minimum=0)),
+            "prompt_logprobs": (None if self.prompt_logprobs is None else _check_int(
+                "prompt_logprobs", self.prompt_logprobs, minimum=0)),
             "output_kind": _check_output_kind(self.output_kind),
         }
         if not 0 <= fields["temperature"] <= MAX_TEMPERATURE:
@@ -157,6 +165,9 @@ class SamplingParams:
         _check_float32_fraction("min_p", fields["min_p"], zero_allowed=True)
         if fields["logprobs"] is not None and fields["logprobs"] > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs!r}")
+        if fields["prompt_logprobs"] is not None and fields["prompt_logprobs"] > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, "
+                             f"got {self.prompt_logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name, value in fields.items():
@@ -285,7 +296,7 @@ def sampler_mode(rows: Sequence[SamplingRow]) -> str:
 
 
 def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0,
-           mode: str | None = None) -> SamplerOutput:
+           mode: str | None = None, logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
     """Pick one token per row of `logits: [B, V]`; jit-friendly with `num_logprobs` (L) static.
 
     Greedy rows take the argmax. Other rows divide by temperature, keep the top_k tokens, then
@@ -299,6 +310,10 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     SAMPLER_MODES (the host's `sampler_mode` of these rows) fixes the path at trace time. On a
     GPU each cond makes the dispatching thread wait for the device, so loops that must not block
     (the decode loop) pass a mode. A mode cheaper than the rows need is the caller's error.
+
+    logprobs_mode (static, one of LOGPROBS_MODES): "raw_logprobs" reports log_softmax of the raw
+    logits; "processed_logprobs" that of the distribution actually sampled from (temperature
+    applied, filtered tokens at -inf; greedy rows keep their raw logits).
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
@@ -307,9 +322,13 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
                          f"got temperature shape {tensors.temperature.shape}")
     if not 0 <= num_logprobs <= logits.shape[1]:
         raise ValueError(f"num_logprobs must be in [0, V={logits.shape[1]}], got {num_logprobs}")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     logits = logits.astype(jnp.float32)
     is_greedy = tensors.temperature < GREEDY_TEMPERATURE                     # [B]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)               # [B]
+    if logprobs_mode == "processed_logprobs":
+        return _sample_processed(logits, tensors, is_greedy, greedy_ids, num_logprobs, mode)
     if mode is None:
         token_ids = lax.cond(
             jnp.all(is_greedy),
@@ -322,12 +341,30 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
                               _sample_random(logits, tensors, is_greedy, sort=mode == "sort"))
     else:
         raise ValueError(f"mode must be None or one of {SAMPLER_MODES}, got {mode!r}")
+    return _with_logprobs(logits, token_ids, num_logprobs)
+
+
+def _with_logprobs(logits: jax.Array, token_ids: jax.Array, num_logprobs: int) -> SamplerOutput:
+    """The chosen tokens with their logprobs and the top L under log_softmax(logits)."""
     # logprob = logit - logsumexp(logits): no [B, V] log_softmax is materialised.
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)                       # [B]
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_normalizer
     top_logits, top_ids = _top_logits(logits, num_logprobs)                  # [B, L]
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids,
                          top_logprobs=top_logits - log_normalizer[:, None])
+
+
+def _sample_processed(logits, tensors, is_greedy, greedy_ids, num_logprobs, mode):
+    """`sample` under "processed_logprobs": the same tokens (the draw takes the argmax of the
+    same filtered, scaled logits plus the same noise), logprobs from those processed logits."""
+    if mode not in (None, *SAMPLER_MODES):
+        raise ValueError(f"mode must be None or one of {SAMPLER_MODES}, got {mode!r}")
+    if mode == "greedy":
+        return _with_logprobs(logits, greedy_ids, num_logprobs)
+    processed = jnp.where(is_greedy[:, None], logits, _processed_logits(
+        logits, tensors, is_greedy, None if mode is None else mode == "sort"))
+    token_ids = jnp.where(is_greedy, greedy_ids, _draw(processed, tensors))
+    return _with_logprobs(processed, token_ids, num_logprobs)
 
 
 def _top_logits(logits: jax.Array, num_logprobs: int) -> tuple[jax.Array, jax.Array]:
@@ -355,6 +392,20 @@ def _sample_random(logits: jax.Array, tensors: SamplingTensors, is_greedy: jax.A
                    sort: bool | None = None) -> jax.Array:
     """[B] int32 tokens drawn from the filtered, temperature-scaled distribution of each row.
     sort: None decides on the device whether any row needs the top-k/top-p sort (see sample)."""
+    return _draw(_processed_logits(logits, tensors, is_greedy, sort), tensors)
+
+
+def _draw(processed: jax.Array, tensors: SamplingTensors) -> jax.Array:
+    """[B] int32 Gumbel-max draws from processed: [B, V] logits (-inf: never drawn)."""
+    vocab_size = processed.shape[-1]
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab_size,), jnp.float32))(
+        row_keys(tensors))                                                   # [B, V]
+    return jnp.argmax(processed + gumbel, axis=-1).astype(jnp.int32)
+
+
+def _processed_logits(logits: jax.Array, tensors: SamplingTensors, is_greedy: jax.Array,
+                      sort: bool | None) -> jax.Array:
+    """[B, V] the logits each row samples from: divided by temperature, filtered tokens -inf."""
     batch_size, vocab_size = logits.shape
     temperature = jnp.where(is_greedy, 1.0, tensors.temperature)
     scaled = logits / temperature[:, None]                                   # [B, V]
@@ -371,9 +422,7 @@ def _sample_random(logits: jax.Array, tensors: SamplingTensors, is_greedy: jax.A
     # p >= min_p * p_max  <=>  scaled >= max(scaled) + log(min_p); log(0) = -inf keeps all.
     min_p_floor = jnp.max(scaled, axis=-1) + jnp.log(tensors.min_p)          # [B]
     is_kept = (scaled >= threshold[:, None]) & (scaled >= min_p_floor[:, None])
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab_size,), jnp.float32))(
-        row_keys(tensors))                                                   # [B, V]
-    return jnp.argmax(jnp.where(is_kept, scaled + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+    return jnp.where(is_kept, scaled, -jnp.inf)
 
 
 def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -70,6 +70,7 @@ SAMPLING = {
     "stream_options": st.one_of(st.just({"include_usage": True}), JSON_VALUE),
     "model": st.one_of(st.just("tiny"), TEXT, JUNK),
     "echo": st.one_of(st.booleans(), JUNK),
+    "prompt_logprobs": st.one_of(st.integers(-2, 30), JUNK),
     "logit_bias": st.one_of(st.just({}), JSON_VALUE),
     "best_of": st.one_of(st.integers(-1, 3), JUNK),
 }

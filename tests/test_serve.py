@@ -249,7 +249,7 @@ BAD_INPUTS = [
     ("completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
     ("completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
-    ("completions", {"prompt": "a", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "a", "echo": True, "stream": True}, 400, "echo"),
     ("completions", {"prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("completions", {"prompt": "a" * 300}, 400, "prompt"),
     ("completions", {"prompt": "a", "max_tokens": 300}, 400, "max_tokens"),

@@ -136,6 +136,7 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
         compilation_cache_dir=settings["compilation_cache_dir"],
         enable_prefix_caching=settings["enable_prefix_caching"],
         preemption_mode=preemption_mode, swap_space=settings["swap_space"],
+        logprobs_mode=settings["logprobs_mode"],
         tensor_parallel_size=tensor_parallel_size)
 
 

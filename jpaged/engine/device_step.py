@@ -21,6 +21,7 @@ from flax import nnx
 
 from jpaged import kv_cache
 from jpaged.blocks import allocator
+from jpaged.logprobs import PositionRows, given_token_logprobs
 from jpaged.models.attention import AttentionMetadata
 from jpaged.sampling import SamplingTensors, sample
 
@@ -34,12 +35,15 @@ class StepInputs:
     seq_ids: [B] int32 block-manager rows (-1: padded row); query_lens: [B] int32 tokens per row.
     logits_indices: [R] int32 token index whose logits each sampled row uses.
     sampling: SamplingTensors with [R] leaves.
+    scored: the positions whose given tokens' logprobs are wanted (prompt logprobs, scoring),
+        or None: a separate program variant, compiled only when some request asks.
     """
     token_ids: jax.Array
     seq_ids: jax.Array
     query_lens: jax.Array
     logits_indices: jax.Array
     sampling: SamplingTensors
+    scored: PositionRows | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -178,9 +182,12 @@ def split_model(model) -> tuple[ModelDef, list[jax.Array]]:
 
 
 def step_impl(param_leaves, manager, cache, packed, *, layout, model_def, is_decode,
-              num_logprobs, backend, interpret):
+              num_logprobs, backend, interpret, logprobs_mode="raw_logprobs",
+              num_scored_logprobs=0):
     """The step body (see the module docstring). packed: `pack(StepInputs)`'s buffer. Static:
-    layout, model_def, is_decode, num_logprobs, backend, interpret; everything else is traced."""
+    layout, model_def, is_decode, num_logprobs, backend, interpret, logprobs_mode,
+    num_scored_logprobs (top logprobs per scored position); everything else is traced. Returns
+    (manager, cache, sampler output, ok, scored output or None)."""
     inputs: StepInputs = unpack(packed, layout)
     model = model_def.merge(param_leaves)
     num_tokens, batch = inputs.token_ids.shape[0], inputs.seq_ids.shape[0]
@@ -208,8 +215,13 @@ def step_impl(param_leaves, manager, cache, packed, *, layout, model_def, is_dec
         backend=backend, interpret=interpret)
     hidden, cache = model(inputs.token_ids, positions, cache, metadata)
     logits = model.compute_logits(hidden[inputs.logits_indices])
-    out = sample(logits, inputs.sampling, num_logprobs=num_logprobs)
-    return manager, cache, out, appended.ok
+    out = sample(logits, inputs.sampling, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode)
+    scored = None
+    if inputs.scored is not None:
+        scored = given_token_logprobs(
+            model.compute_logits(hidden[inputs.scored.token_indices]), inputs.scored,
+            num_logprobs=num_scored_logprobs)
+    return manager, cache, out, appended.ok, scored
 
 
 def continue_inputs(inputs: DecodeInputs, result: DecodeResult, control) -> DecodeInputs:
@@ -242,7 +254,7 @@ def fresh_result(max_steps: int, batch: int, num_logprobs: int) -> np.ndarray:
 
 def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, control, *, layout,
                      model_def, max_steps, max_model_len, num_logprobs, sampler, backend,
-                     interpret):
+                     interpret, logprobs_mode="raw_logprobs"):
     """Up to inputs.num_steps decode iterations for the whole batch in one device loop. The
     inputs are `continue_inputs` of packed (`pack(DecodeInputs)`'s buffer), the packed result of
     the loop that ran them (`fresh_result` for a loop the host just sent) and control, so a
@@ -301,7 +313,7 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
         sampling = dataclasses.replace(inputs.sampling,
                                        positions=inputs.sampling.positions + step)
         out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs,
-                     mode=sampler)
+                     mode=sampler, logprobs_mode=logprobs_mode)
         is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
         finished = live & (is_stop | (step + 1 >= inputs.remaining)
                            | (context_lens + 1 >= max_model_len))
@@ -347,10 +359,11 @@ def _programs(fn, static_argnames) -> dict:
 
 
 _STEP_PROGRAMS = _programs(step_impl, (
-    "layout", "model_def", "is_decode", "num_logprobs", "backend", "interpret"))
+    "layout", "model_def", "is_decode", "num_logprobs", "backend", "interpret", "logprobs_mode",
+    "num_scored_logprobs"))
 _DECODE_LOOPS = _programs(decode_loop_impl, (
     "layout", "model_def", "max_steps", "max_model_len", "num_logprobs", "sampler", "backend",
-    "interpret"))
+    "interpret", "logprobs_mode"))
 
 
 def step_program(num_tokens: int):

@@ -26,6 +26,7 @@ from jpaged.blocks.swap import SwapStore, transfer_rate_probe
 from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, decode_loop,
                                        fresh_result, pack, result_layout, split_model,
                                        step_program, unpack_host)
+from jpaged.logprobs import PositionRows
 from jpaged.models.weights import parameter_names
 from jpaged.request import Samples
 from jpaged.sampling import (MAX_LOGPROBS, SAMPLER_MODES, SamplingParams, SamplingRow,
@@ -74,6 +75,7 @@ class Executor:
         self.max_model_len = config.max_model_len
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.attention_backend = config.attention_backend
+        self.logprobs_mode = config.logprobs_mode
         self.interpret = config.interpret
         # Tensor parallelism (model.mesh, `jpaged.parallel`): the block manager and the inputs
         # are replicated on the mesh, the cache split along kv heads. None: one device.
@@ -153,31 +155,48 @@ class Executor:
         Returns host numpy (token_ids [R], logprobs [R], top_ids [R, L], top_logprobs [R, L])
         for the len(sampling_rows) real sampled rows.
         """
-        inputs, is_decode = self._build_inputs(rows, sampling_rows)
+        out, _ = self._execute(rows, sampling_rows, num_logprobs)
+        return out.token_ids, out.logprobs, out.top_ids, out.top_logprobs
+
+    def _execute(self, rows, sampling_rows, num_logprobs: int, scored=(),
+                 num_scored_logprobs: int = 0):
+        """`execute`, also scoring given tokens. scored: [(row index, token offset in the row,
+        target token, temperature)]; num_scored_logprobs: the top logprobs each needs.
+
+        Returns (sampled, scored) `SamplerOutput`s on the host, cut to the real rows (scored:
+        None when nothing was asked). Steps that score nothing run the very program they ran
+        before scoring existed; scoring ones a variant keyed by the bucketed count of scored
+        positions (and whether top logprobs are wanted), compiled on first use.
+        """
+        inputs, is_decode = self._build_inputs(rows, sampling_rows, scored)
         logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
+        scored_bucket = MAX_LOGPROBS if num_scored_logprobs else 0
         key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
                inputs.logits_indices.shape[0], is_decode, logprob_bucket)
+        if inputs.scored is not None:
+            key += ("scored", inputs.scored.targets.shape[0], scored_bucket)
         start = time.perf_counter()
         packed, layout = pack(inputs)
         program = step_program(inputs.token_ids.shape[0])
-        self.manager, self.cache, out, ok = self.dispatch(
+        self.manager, self.cache, out, ok, scored_out = self.dispatch(
             key, program, self.param_leaves, self.manager, self.cache, self._put(packed),
             layout=layout, model_def=self.model_def, is_decode=is_decode,
             num_logprobs=logprob_bucket, backend=self.attention_backend,
-            interpret=self.interpret)
-        out, ok = jax.device_get((out, ok))
+            interpret=self.interpret, logprobs_mode=self.logprobs_mode,
+            num_scored_logprobs=scored_bucket)
+        out, ok, scored_out = jax.device_get((out, ok, scored_out))
         self.last_device_seconds = time.perf_counter() - start
         if not ok:
             raise RuntimeError("device block manager ran out of blocks the host mirror predicted; "
                                "the two have diverged")
-        count = len(sampling_rows)
-        return (out.token_ids[:count], out.logprobs[:count], out.top_ids[:count],
-                out.top_logprobs[:count])
+        return _cut(out, len(sampling_rows)), (None if scored_out is None
+                                               else _cut(scored_out, len(scored)))
 
-    def run_rows(self, rows, block_ops: list) -> list:
+    def run_rows(self, rows, block_ops: list) -> tuple[list, list]:
         """Apply the step's block operations, then run one compiled step of any mix for the
-        scheduled rows (`ScheduledRow`s); returns [(row, sample_index, Samples)] for every
-        sample drawn."""
+        scheduled rows (`ScheduledRow`s). Returns ([(row, sample_index, Samples)] for every
+        sample drawn, [(row, first token index, Samples)] for the rows whose prompt positions
+        were scored: Samples of the prompt's next tokens, in order)."""
         self.apply(block_ops)
         inputs = [(row.seq.slot, row.token_ids) for row in rows]
         sampling_rows, targets = [], []
@@ -187,13 +206,18 @@ class Executor:
                 sampling_rows.append((index, SamplingRow(row.request.params, row.request.seed,
                                                          sample_index, position)))
                 targets.append((row, sample_index))
+        scored, scored_rows = _scored_positions(rows)
         num_logprobs = max(row.request.params.logprobs or 0 for row in rows)
-        token_ids, logprobs, top_ids, top_logprobs = self.execute(inputs, sampling_rows,
-                                                                  num_logprobs)
-        token_ids, logprobs = token_ids.tolist(), logprobs.tolist()
-        return [(row, sample_index, Samples(token_ids[i:i + 1], logprobs[i:i + 1],
-                                            top_ids[i:i + 1], top_logprobs[i:i + 1]))
-                for i, (row, sample_index) in enumerate(targets)]
+        out, scored_out = self._execute(
+            inputs, sampling_rows, num_logprobs, scored,
+            max((row.request.params.prompt_logprobs or 0 for row, _, _ in scored_rows),
+                default=0))
+        token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
+        results = [(row, sample_index, Samples(token_ids[i:i + 1], logprobs[i:i + 1],
+                                               out.top_ids[i:i + 1], out.top_logprobs[i:i + 1]))
+                   for i, (row, sample_index) in enumerate(targets)]
+        return results, [(row, first, _samples(scored_out, begin, end))
+                         for row, first, (begin, end) in scored_rows]
 
     def launch_decode(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
                       max_steps: int, max_model_len: int, num_logprobs: int) -> "LaunchedLoop":
@@ -216,7 +240,7 @@ class Executor:
                               np.int32(num_steps))
         static = dict(max_steps=max_steps, max_model_len=max_model_len,
                       num_logprobs=MAX_LOGPROBS if num_logprobs else 0,
-                      sampler=sampler_mode(sampling_rows))
+                      sampler=sampler_mode(sampling_rows), logprobs_mode=self.logprobs_mode)
         packed, layout = pack(inputs)
         fresh = self._fresh_result_and_control(batch, static)
         return self._launch(self._put(packed), *fresh, layout, (batch, width), static, len(rows))
@@ -347,7 +371,7 @@ class Executor:
                 size.warm_up(self)
         self.num_padded_tokens = self.num_real_tokens = 0
 
-    def _build_inputs(self, rows, sampling_rows):
+    def _build_inputs(self, rows, sampling_rows, scored=()):
         num_tokens = sum(len(tokens) for _, tokens in rows)
         is_decode = all(len(tokens) == 1 for _, tokens in rows)
         # Decode steps bucket the batch; mixed steps bucket only the tokens and keep every row
@@ -362,17 +386,25 @@ class Executor:
         token_ids = np.zeros(size, np.int32)
         seq_ids = np.full(batch, -1, np.int32)
         query_lens = np.zeros(batch, np.int32)
-        last_token = np.zeros(len(rows), np.int32)
+        row_start = np.zeros(len(rows), np.int32)
         offset = 0
         for index, (seq_id, tokens) in enumerate(rows):
             token_ids[offset:offset + len(tokens)] = tokens
             seq_ids[index], query_lens[index] = seq_id, len(tokens)
+            row_start[index] = offset
             offset += len(tokens)
-            last_token[index] = offset - 1
+        last_token = row_start + query_lens[:len(rows)] - 1
         logits_indices = np.zeros(samples, np.int32)
         logits_indices[:len(sampling_rows)] = [last_token[row] for row, _ in sampling_rows]
         sampling = SamplingTensors.from_rows([r for _, r in sampling_rows], samples)
-        return StepInputs(token_ids, seq_ids, query_lens, logits_indices, sampling), is_decode
+        positions = None
+        if scored:
+            positions = PositionRows.from_lists(
+                [row_start[row] + at for row, at, _, _ in scored], [t for _, _, t, _ in scored],
+                [temperature for _, _, _, temperature in scored],
+                bucket(len(scored), 16, max(16, self.max_num_batched_tokens)))
+        return StepInputs(token_ids, seq_ids, query_lens, logits_indices, sampling,
+                          positions), is_decode
 
     # ---- weights ----------------------------------------------------------------------------
     @functools.cached_property
@@ -415,3 +447,29 @@ class Executor:
     @functools.cached_property
     def num_blocks(self) -> int:
         return self.manager.num_blocks
+
+
+def _cut(out, count: int):
+    """A host SamplerOutput's first count rows (the rest is padding)."""
+    return jax.tree_util.tree_map(lambda leaf: leaf[:count], out)
+
+
+def _samples(out, begin: int, end: int) -> Samples:
+    return Samples(out.token_ids[begin:end].tolist(), out.logprobs[begin:end].tolist(),
+                   out.top_ids[begin:end], out.top_logprobs[begin:end])
+
+
+def _scored_positions(rows):
+    """The prompt positions this step's rows must score (`Request.scored_range`):
+    ([(row index, token offset in the row, target, temperature)],
+     [(row, first token index, (begin, end) into the first list)])."""
+    scored, scored_rows = [], []
+    for index, row in enumerate(rows):
+        positions = row.request.scored_range(row.start, row.num_tokens)
+        if not positions:
+            continue
+        prompt, begin = row.request.prompt_token_ids, len(scored)
+        scored += [(index, j - row.start, prompt[j + 1], row.request.score_temperature)
+                   for j in positions]
+        scored_rows.append((row, positions.start, (begin, len(scored))))
+    return scored, scored_rows

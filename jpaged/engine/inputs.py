@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 
 from jpaged.request import Request
-from jpaged.sampling import MAX_LOGPROBS, SamplingParams, request_seed
+from jpaged.sampling import (MAX_LOGPROBS, MAX_TEMPERATURE, RequestOutputKind, SamplingParams,
+                             request_seed)
 
 
 class InputProcessor:
@@ -83,10 +84,33 @@ class InputProcessor:
         return token_ids, params
 
     def build(self, request_id: str, prompt: str | None, token_ids: list[int],
-              params: SamplingParams, priority: int = 0) -> Request:
-        """The Request of a checked prompt: its seed drawn and its arrival counted now."""
+              params: SamplingParams, priority: int = 0, score_from: int = 1,
+              score_temperature: float = 1.0) -> Request:
+        """The Request of a checked prompt: its seed drawn and its arrival counted now.
+        score_from, score_temperature: which prompt logprobs it owes, and under what
+        temperature (see `Request`)."""
         stop_ids = self.stop_ids(params)
         return Request(request_id=request_id, prompt=prompt, prompt_token_ids=token_ids,
                        params=params, seed=request_seed(params, self._rng),
                        arrival_index=next(self._arrivals), priority=priority,
-                       stop_ids=stop_ids, stop_id_set=frozenset(stop_ids))
+                       stop_ids=stop_ids, stop_id_set=frozenset(stop_ids),
+                       score_from=score_from, score_temperature=score_temperature)
+
+    def score_item(self, request_id: str, prompt_token_ids, completion_token_ids,
+                   temperature: float) -> dict:
+        """The add_requests item that scores completion after prompt: a request whose prompt
+        is both, owing the logprobs of the completion's tokens only, sampling one greedy token
+        (the least a request can generate). ValueError on an empty prompt or a temperature
+        outside (0, MAX_TEMPERATURE]."""
+        prompt, completion = list(prompt_token_ids), list(completion_token_ids)
+        if not prompt:
+            raise ValueError("score needs a non-empty prompt (the first completion token's "
+                             "logprob needs something before it)")
+        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                or not 0 < temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be in (0, {MAX_TEMPERATURE:g}], "
+                             f"got {temperature!r}")
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        return dict(request_id=request_id, prompt_token_ids=prompt + completion, params=params,
+                    score_from=len(prompt), score_temperature=float(temperature))

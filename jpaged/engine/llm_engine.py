@@ -8,10 +8,12 @@ the sampled tokens into outputs; what finished goes back to the ledger, whose fr
 device with the next step's operations. docs/design.md draws the path of one step.
 """
 
+import itertools
 import time
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from jpaged.blocks.ledger import BlockLedger
 from jpaged.engine.builder import EngineConfig, build_engine_config, resolve_engine_config
@@ -69,6 +71,7 @@ class LLMEngine:
             self.scheduler.swap_policy = self.executor.swap_is_cheaper
         self.executor.strict_compilation = config.strict_compilation
         self._requests: dict = {}
+        self._score_ids = itertools.count()
         self.num_steps = 0
         self.host_seconds = 0.0
         self.device_seconds = 0.0
@@ -109,13 +112,38 @@ class LLMEngine:
                     raise
                 raise ValueError(f"prompt {index}: {err}") from err
             checked.append((request_id, item.get("prompt"), token_ids, params,
-                            item.get("priority", 0)))
+                            item.get("priority", 0), item.get("score_from", 1),
+                            item.get("score_temperature", 1.0)))
         requests = [self.inputs.build(*args) for args in checked]
         for request in requests:
             self.output.add(request)
             self._requests[request.request_id] = request
             self.scheduler.add(request)
         return requests
+
+    def add_score_requests(self, request_ids, prompt_token_ids, completion_token_ids, *,
+                           temperature: float = 1.0) -> list:
+        """Queue one scoring request per (prompt, completion) pair, all or none (`score`)."""
+        if not len(request_ids) == len(prompt_token_ids) == len(completion_token_ids):
+            raise ValueError(f"got {len(prompt_token_ids)} prompts and "
+                             f"{len(completion_token_ids)} completions")
+        return self.add_requests([self.inputs.score_item(*pair, temperature) for pair in zip(
+            request_ids, prompt_token_ids, completion_token_ids)])
+
+    def score(self, prompt_token_ids, completion_token_ids, *,
+              temperature: float = 1.0) -> list[np.ndarray]:
+        """For each pair, float32 [len(completion)] log p(completion[i] | prompt +
+        completion[:i]) under log_softmax(logits / temperature); runs the engine until they are
+        done (other requests' outputs of those steps are dropped). The pairs are requests
+        scored in batched, chunked prefill; prompt blocks come from the prefix cache."""
+        request_ids = [f"score-{next(self._score_ids)}" for _ in prompt_token_ids]
+        self.add_score_requests(request_ids, prompt_token_ids, completion_token_ids,
+                                temperature=temperature)
+        finished = {}
+        while len(finished) < len(request_ids):
+            finished.update((out.request_id, out) for out in self.step() if out.finished)
+        return [completion_logprobs(finished[request_id], len(completion))
+                for request_id, completion in zip(request_ids, completion_token_ids)]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its blocks return to the pool at once. False if unknown."""
@@ -168,6 +196,7 @@ class LLMEngine:
         step, so no request can be retried or freed soundly (see docs/design.md).
         """
         start = time.perf_counter()
+        scored = []
         if self.pipeline.loops:   # decode loops in flight: chain more behind them, fetch one
             rows = self.pipeline.in_flight.rows
             chain = self._loops_to_chain()
@@ -187,9 +216,10 @@ class LLMEngine:
                     return []  # this loop's tokens come back with the next step
                 results, device_freed = self.pipeline.advance(chain=0)
             else:
-                results, device_freed = self.executor.run_rows(rows, schedule.block_ops), []
+                (results, scored), device_freed = self.executor.run_rows(
+                    rows, schedule.block_ops), []
         device_seconds = self.executor.last_device_seconds
-        outcome = self.output.process(results)
+        outcome = self.output.process(results, scored)
         self.scheduler.update(outcome, device_freed, self.pipeline.hold_back)
         for request in outcome.finished_requests:
             self._requests.pop(request.request_id, None)
@@ -302,3 +332,11 @@ class LLMEngine:
             "backend": jax.default_backend(),
             "attention_backend": self.config.attention_backend,
         }
+
+
+def completion_logprobs(output, num_tokens: int) -> np.ndarray:
+    """float32 [num_tokens]: a scoring request's logprobs of its last num_tokens prompt tokens
+    (`LLMEngine.add_score_requests`)."""
+    start = len(output.prompt_token_ids) - num_tokens
+    tokens, entries = output.prompt_token_ids[start:], output.prompt_logprobs[start:]
+    return np.array([entry[token] for token, entry in zip(tokens, entries)], np.float32)

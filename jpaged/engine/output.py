@@ -39,10 +39,13 @@ class OutputProcessor:
         return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                       request.params.stop)
 
-    def process(self, results) -> StepOutcome:
-        """results: [(ScheduledRow, sample index, Samples)] of one step or decode loop. An
+    def process(self, results, scored=()) -> StepOutcome:
+        """results: [(ScheduledRow, sample index, Samples)] of one step or decode loop; scored:
+        [(ScheduledRow, first token index, Samples)], the prompt positions it scored. An
         exception while appending one request's samples (detokenizing, stop checks) fails that
         request only: it is left out of the outcome and listed in `failed`."""
+        for row, first, samples in scored:
+            self._append_prompt_logprobs(row.request, first, samples)
         touched: dict[int, Request] = {}
         children: dict[int, list[Sequence]] = {}
         finished: list[Sequence] = []
@@ -124,11 +127,30 @@ class OutputProcessor:
                 seq.unsent_text += rest
 
     @staticmethod
+    def _append_prompt_logprobs(request: Request, first: int, samples: Samples):
+        """Entries for prompt tokens first + 1, ...: the token's logprob and the top k. A token
+        that already has one (a chunk run again after preemption) keeps it."""
+        k, entries = request.params.prompt_logprobs, request.prompt_logprobs
+        for offset, token in enumerate(samples.token_ids):
+            index = first + 1 + offset
+            entries.extend([None] * (index - len(entries)))
+            if index == len(entries):
+                entry = dict(zip(samples.top_ids[offset, :k].tolist(),
+                                 samples.top_logprobs[offset, :k].tolist()))
+                entry[token] = samples.logprobs[offset]
+                entries.append(entry)
+
+    @staticmethod
     def output(request: Request) -> RequestOutput:
         """The request's output now, as its params' output_kind asks: everything so far, or
         (DELTA) the tokens, logprobs and text new since its previous output."""
         want_logprobs = request.params.logprobs is not None
         is_delta = request.params.output_kind == RequestOutputKind.DELTA
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not (
+                is_delta and any(seq.num_sent for seq in request.sequences)):
+            count = len(request.prompt_token_ids)  # a DELTA stream sends them once, first
+            prompt_logprobs = (request.prompt_logprobs + [None] * count)[:count]
         completions = []
         for seq in request.sequences:
             if is_delta:
@@ -144,4 +166,5 @@ class OutputProcessor:
                 logprobs=logprobs, finish_reason=seq.finish_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.is_finished, request.num_preemptions,
-                             request.num_recomputed_tokens, request.num_cached_tokens)
+                             request.num_recomputed_tokens, request.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)

@@ -283,6 +283,9 @@ class Scheduler:
         if self.ledger.num_free_slots < needed_slots:
             return None
         hits = self.ledger.lookup(request.live_sequences)
+        if request.num_cacheable_tokens is not None:  # owed prompt logprobs need their logits
+            hits = [seq_hits[:request.num_cacheable_tokens // self.ledger.block_size]
+                    for seq_hits in hits]
         if self.prefix_cache is not None and self._in_progress(plan, request, hits):
             return None
         size = self.ledger.block_size

@@ -4,8 +4,11 @@ Pure functions and small classes with no web framework in them: `app.py` calls t
 
 Requests are checked field by field; anything wrong raises `APIError` naming the parameter, which
 the server turns into a 4xx with OpenAI's `{"error": {"message", "type", "param", "code"}}` body.
-Parameters that would change the result but are not implemented (echo, suffix, best_of > n,
-presence/frequency penalties, logit_bias) are rejected rather than ignored.
+Parameters that would change the result but are not implemented (suffix, best_of > n,
+presence/frequency penalties, logit_bias; echo on chat and on streamed completions) are rejected
+rather than ignored. `prompt_logprobs` (vLLM's extra field) puts each prompt token's logprob on
+the choice; `echo` with `logprobs` on /v1/completions puts the prompt's tokens before the
+completion's, as OpenAI does (the first prompt token's logprob null).
 
 Chat prompts are rendered with the model's `chat_template` from tokenizer_config.json (with
 jinja2, as transformers does) or, when the model has none, with the default template:
@@ -24,7 +27,7 @@ from jpaged.request import RequestOutput
 from jpaged.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
-                    "stop_token_ids", "ignore_eos", "logprobs")
+                    "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
 # Parameters we do not implement, with the value that means "off" (anything else is rejected).
 _UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0, 0.0),
                 "frequency_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
@@ -96,6 +99,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     num_top_logprobs: int | None     # None: no logprobs in the reply
+    num_prompt_logprobs: int | None = None   # the choices' prompt_logprobs (None: none)
+    echo: bool = False               # completions: the prompt comes back before the completion
 
 
 # ---- the request body ---------------------------------------------------------------------------
@@ -187,9 +192,9 @@ def _is_kind(value, kind) -> bool:
     return isinstance(value, kind)
 
 
-def _reject_unsupported(body: dict):
+def _reject_unsupported(body: dict, allowed=()):
     for name, off_values in _UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in off_values:
+        if name not in allowed and body.get(name) is not None and body[name] not in off_values:
             raise APIError(f"'{name}' is not supported by this server", param=name,
                            code="unsupported_parameter")
     if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
@@ -205,7 +210,8 @@ def check_model(body: dict, model_name: str):
                        param="model", status=404, code="model_not_found")
 
 
-def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool) -> SamplingParams:
+def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool,
+                     prompt_logprobs=None) -> SamplingParams:
     """A stream is built from the engine's DELTA outputs (text past any possible stop-string
     prefix, tokens and logprobs new since the last output). A full reply asks for CUMULATIVE
     outputs, not FINAL_ONLY: the latency histograms (TTFT, TPOT) are observed on every output,
@@ -219,7 +225,7 @@ def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool) -> Sampl
                   stop=_field(body, "stop", (str, list)),
                   stop_token_ids=_field(body, "stop_token_ids", (list,)),
                   ignore_eos=_field(body, "ignore_eos", (bool,), False),
-                  max_tokens=max_tokens, logprobs=logprobs,
+                  max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE)
     try:
         return SamplingParams(**values)
@@ -258,21 +264,38 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return include
 
 
+def _prompt_logprobs(body: dict) -> int | None:
+    count = _field(body, "prompt_logprobs", (int,))
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise APIError(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {count}",
+                       param="prompt_logprobs")
+    return count
+
+
 # ---- /v1/completions ----------------------------------------------------------------------------
 def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     check_model(body, model.name)
-    _reject_unsupported(body)
+    _reject_unsupported(body, allowed=("echo",))
     prompts = _completion_prompts(body, model)
     logprobs = _field(body, "logprobs", (int,))
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}",
                        param="logprobs")
+    prompt_logprobs = _prompt_logprobs(body)
     max_tokens = _check_length(prompts, _field(body, "max_tokens", (int,), 16),
                                model.max_model_len, "prompt")
     stream = _field(body, "stream", (bool,), False)
-    return ParsedRequest(False, prompts, _sampling_params(body, max_tokens=max_tokens,
-                                                          logprobs=logprobs, stream=stream),
-                         stream, _stream_options(body, stream), logprobs)
+    echo = _field(body, "echo", (bool,), False)
+    if echo and stream:
+        raise APIError("'echo' is not supported on streamed completions", param="echo",
+                       code="unsupported_parameter")
+    # echo with logprobs needs the prompt's logprobs (and its top alternatives) too
+    computed = (prompt_logprobs if not (echo and logprobs is not None)
+                else max(logprobs, prompt_logprobs or 0))
+    params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
+                              prompt_logprobs=computed)
+    return ParsedRequest(False, prompts, params, stream, _stream_options(body, stream), logprobs,
+                         prompt_logprobs, echo)
 
 
 def _completion_prompts(body: dict, model: ModelInfo) -> list[list[int]]:
@@ -330,11 +353,13 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     logprobs = (top or 0) if want_logprobs else None
     max_tokens = _field(body, "max_completion_tokens", (int,))
     max_tokens = _field(body, "max_tokens", (int,), max_tokens)
+    prompt_logprobs = _prompt_logprobs(body)
     max_tokens = _check_length(prompts, max_tokens, model.max_model_len, "messages")
     stream = _field(body, "stream", (bool,), False)
     return ParsedRequest(True, prompts, _sampling_params(body, max_tokens=max_tokens,
-                                                         logprobs=logprobs, stream=stream),
-                         stream, _stream_options(body, stream), logprobs)
+                                                         logprobs=logprobs, stream=stream,
+                                                         prompt_logprobs=prompt_logprobs),
+                         stream, _stream_options(body, stream), logprobs, prompt_logprobs)
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -453,21 +478,75 @@ class ReplyBuilder:
         for prompt_index, output in enumerate(outputs):
             for completion in output.outputs:
                 index = prompt_index * self.parsed.params.n + completion.index
-                logprobs = self._logprobs(completion.token_ids, completion.logprobs, 0)
                 if self.parsed.is_chat:
-                    choices.append({"index": index, "message": {"role": "assistant",
-                                                                "content": completion.text},
-                                    "logprobs": logprobs,
-                                    "finish_reason": completion.finish_reason})
+                    choice = {"index": index, "message": {"role": "assistant",
+                                                          "content": completion.text},
+                              "logprobs": self._logprobs(completion.token_ids,
+                                                         completion.logprobs, 0),
+                              "finish_reason": completion.finish_reason}
                 else:
-                    choices.append({"index": index, "text": completion.text,
-                                    "logprobs": logprobs,
-                                    "finish_reason": completion.finish_reason})
+                    choice = self._completion_choice(index, output, completion)
+                choices.append(self._with_prompt_logprobs(choice, output))
         choices.sort(key=lambda choice: choice["index"])
         num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
         num_completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
         return {**self._envelope(choices, chunk=False),
                 "usage": usage(num_prompt_tokens, num_completion_tokens)}
+
+    def _completion_choice(self, index: int, output: RequestOutput, completion) -> dict:
+        """A /v1/completions choice; with echo, the prompt's text (and its tokens' logprobs)
+        first."""
+        text, logprobs = completion.text, self._logprobs(completion.token_ids,
+                                                         completion.logprobs, 0)
+        if self.parsed.echo:
+            prompt_text = self._prompt_text(output.prompt_token_ids)
+            text = prompt_text + text
+            if logprobs is not None:
+                logprobs = self._echoed_logprobs(output, logprobs, len(prompt_text))
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason}
+
+    def _echoed_logprobs(self, output: RequestOutput, logprobs: dict, prompt_chars: int) -> dict:
+        """The prompt tokens' entries before the completion's (OpenAI's echo: the first prompt
+        token has no logprob, and no top_logprobs)."""
+        top, tokens, offsets, offset = self.parsed.num_top_logprobs, [], [], 0
+        for token_id in output.prompt_token_ids:
+            offsets.append(offset)
+            tokens.append(self._token_text(token_id))
+            offset += len(tokens[-1])
+        entries = output.prompt_logprobs
+        return {"tokens": tokens + logprobs["tokens"],
+                "token_logprobs": [None if e is None else e[t] for t, e in zip(
+                    output.prompt_token_ids, entries)] + logprobs["token_logprobs"],
+                "top_logprobs": [None if e is None else {self._token_text(i): lp for i, lp in
+                                                         list(e.items())[:top]}
+                                 for e in entries] + logprobs["top_logprobs"],
+                "text_offset": offsets + [prompt_chars + o for o in logprobs["text_offset"]]}
+
+    def _with_prompt_logprobs(self, choice: dict, output: RequestOutput) -> dict:
+        """vLLM's `prompt_logprobs` on a choice: per prompt token null (the first) or
+        {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k. rank is
+        1-based among the top k, null for a token outside them."""
+        count = self.parsed.num_prompt_logprobs
+        if count is None or output.prompt_logprobs is None:
+            return choice
+        listed = []
+        for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
+            if entry is None:
+                listed.append(None)
+                continue
+            top = list(entry.items())[:count]
+            ranks = {token_id: rank for rank, (token_id, _) in enumerate(top, 1)}
+            shown = dict(top) | {token: entry[token]}
+            listed.append({str(i): {"logprob": lp, "rank": ranks.get(i),
+                                    "decoded_token": self._token_text(i)}
+                           for i, lp in shown.items()})
+        return {**choice, "prompt_logprobs": listed}
+
+    def _prompt_text(self, token_ids) -> str:
+        if self.model.tokenizer is None:
+            return "".join(self._token_text(t) for t in token_ids)
+        return self.model.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def first_chunks(self) -> list[dict]:
         """Chat streams open with the assistant role for every choice."""
@@ -489,6 +568,7 @@ class ReplyBuilder:
             index = prompt_index * self.parsed.params.n + completion.index
             is_done = completion.finish_reason is not None
             has_logprobs = self.parsed.num_top_logprobs is not None and bool(completion.token_ids)
+            has_logprobs |= output.prompt_logprobs is not None  # sent once, in the first delta
             if index in self._finished or not (completion.text or has_logprobs or is_done):
                 continue
             offset = self._text_offsets.get(index, 0)
@@ -497,9 +577,9 @@ class ReplyBuilder:
                 self._text_offsets[index] = offset + sum(map(len, logprobs["tokens"]))
             if is_done:
                 self._finished.add(index)
-            chunks.append(self._envelope([self._choice_delta(index, completion.text, logprobs,
-                                                             completion.finish_reason)],
-                                         chunk=True))
+            chunks.append(self._envelope([self._with_prompt_logprobs(self._choice_delta(
+                index, completion.text, logprobs, completion.finish_reason), output)],
+                chunk=True))
         return chunks
 
     def _choice_delta(self, index, text, logprobs, finish_reason) -> dict:
