@@ -122,6 +122,13 @@ def test_tunix_params_map_onto_jpaged_with_equal_logprobs(checkpoints, family):
     assert np.abs(ours - tunix_logps(model, tokens, temperature)).max() > 10 * TOLERANCE
 
 
+def test_unmapped_parameters_are_named():
+    assert tunix_weights.hf_name("layers.3.attn.o_proj.w") == (
+        "model.layers.3.self_attn.o_proj.weight", "heads_out")
+    with pytest.raises(ValueError, match="layers.0.attn.q_proj.lora_a"):
+        tunix_weights.hf_name("layers.0.attn.q_proj.lora_a")
+
+
 def test_rope_mismatch_is_refused(hf_checkpoints, checkpoints):
     """Tunix's Llama3 rotates with theta 1e6 and no llama3 scaling whatever its config says."""
     raw = json.loads((__import__("pathlib").Path(hf_checkpoints["llama_gqa"])
@@ -129,6 +136,9 @@ def test_rope_mismatch_is_refused(hf_checkpoints, checkpoints):
     model = tunix_model("llama3", checkpoints["llama3"])
     with pytest.raises(ValueError, match="rope_theta"):
         tunix_weights.check_configs(model, ModelConfig.from_dict(raw))
+    from jpaged.integrations.tunix import JpagedRollout
+    with pytest.raises(ValueError, match="rope_theta: jpaged's model has 500000.0"):
+        JpagedRollout(model, None, model=hf_checkpoints["llama_gqa"], **LLM_OPTIONS)
     raw_ok = json.loads((__import__("pathlib").Path(checkpoints["llama3"])
                          / "config.json").read_text())
     tunix_weights.check_configs(model, ModelConfig.from_dict(raw_ok))
@@ -184,6 +194,7 @@ def recording_rollout_class():
             return dict(sampled=np.abs(sampled - expected)[is_real].max(),
                         rescored=np.abs(rescored - expected)[is_real].max(),
                         real_tokens=int(is_real.sum()),
+                        pads_are_zero=bool((rescored[~is_real] == 0).all()),
                         embed=np.asarray(self.llm.get_weights()["model.embed_tokens.weight"]))
 
     return RecordingRollout
@@ -221,7 +232,7 @@ def test_grpo_trains_with_jpaged_rollout(checkpoints):
     records = rollout_cls.records
     assert len(records) == 3   # at construction, then after each of the two steps
     for record in records:
-        assert record["real_tokens"] > 0
+        assert record["real_tokens"] > 0 and record["pads_are_zero"]
         assert record["sampled"] < TOLERANCE and record["rescored"] < TOLERANCE, record
     # each sync brought weights the step before trained
     for before, after in zip(records, records[1:]):
