@@ -10,6 +10,7 @@ Usage: python benchmarks/weight_sync.py --preset llama3-8b --repeats 5
 """
 
 import argparse
+import datetime
 import sys
 from pathlib import Path
 
@@ -86,8 +87,9 @@ def table(result: dict) -> str:
     gigabytes = result["model_bytes"] / 1e9
     bandwidth = result["bandwidth"]
     rows = [f"{result['preset']} ({result['dtype']}, TP={result['tensor_parallel_size']}, "
-            f"{result['model_bytes'] / 1e6:.1f} MB of weights, {jax.devices()[0].device_kind})",
-            "",
+            f"{result['model_bytes'] / 1e6:.1f} MB of weights); {jax.devices()[0].device_kind}, "
+            f"jax {jax.__version__}, {datetime.date.today()}; "
+            f"`python benchmarks/weight_sync.py {' '.join(sys.argv[1:])}`", "",
             "| what | seconds | GB/s |", "|---|---|---|",
             f"| update_weights from device arrays (get_weights) | {result['device_seconds']:.4f} "
             f"| {gigabytes / result['device_seconds']:.3f} |",

@@ -224,3 +224,36 @@ def test_tensor_parallel_update(dirs):
     assert run["a_again"] == hf_greedy(dirs["a"])
     assert run["compilations"][0] == run["compilations"][-1]
     assert run["sharded_like_before"]
+
+
+def test_update_behind_decode_loops_in_flight(dirs):
+    """With async scheduling, loops already dispatched finish with the old weights; the cached
+    blocks' releases land behind them, the mirror stays equal to the device (no error, no leaked
+    block), nothing computed before the update is cached, and new requests get B's tokens."""
+    from jpaged import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_pretrained(dirs["a"], **ENGINE_OPTIONS, num_scheduler_steps=4,
+                                       async_scheduling=True)
+    long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("cached", prompt_token_ids=PROMPTS[0], params=long)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["num_cached_blocks"] > 0
+    engine.add_request("x", prompt_token_ids=PROMPTS[0], params=long)
+    engine.add_request("y", prompt_token_ids=PROMPTS[1], params=long)
+    while not engine.pipeline.loops:
+        engine.step()
+    engine.update_weights(dirs["b"])
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats["num_cached_blocks"] == 0
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"] - 1     # every block back
+    short = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"new{index}", prompt_token_ids=prompt, params=short)
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
+                         if o.finished})
+    assert [finished[f"new{i}"] for i in range(len(PROMPTS))] == hf_greedy(dirs["b"])

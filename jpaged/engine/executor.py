@@ -27,7 +27,7 @@ from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, d
                                        fresh_result, pack, result_layout, split_model,
                                        step_program, unpack_host)
 from jpaged.logprobs import PositionRows
-from jpaged.models.weights import parameter_names
+from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
 from jpaged.sampling import (MAX_LOGPROBS, SAMPLER_MODES, SamplingParams, SamplingRow,
                              SamplingTensors, sampler_mode)
@@ -412,8 +412,15 @@ class Executor:
         """{parameter name: its index in param_leaves}."""
         return {name: i for i, name in enumerate(parameter_names(self.model_def.treedef))}
 
-    def named_params(self) -> dict[str, jax.Array]:
-        return {name: self.param_leaves[i] for name, i in self.param_index.items()}
+    def new_params(self, weights):
+        """`weights.new_parameters` for this executor's model: every tensor checked now, then
+        an iterator of (parameter name, new value) for `replace_params`."""
+        current = {name: self.param_leaves[i] for name, i in self.param_index.items()}
+        return new_parameters(self.model_def.merge(self.param_leaves), weights, current)
+
+    def checkpoint_weights(self) -> dict[str, jax.Array]:
+        """{Hugging Face tensor name: array in the checkpoint layout} of the parameters."""
+        return checkpoint_weights(self.model_def.merge(self.param_leaves))
 
     def replace_params(self, named_values):
         """Swap parameters, one at a time, for new arrays of the same shape, dtype and sharding:

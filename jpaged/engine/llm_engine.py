@@ -22,7 +22,6 @@ from jpaged.engine.inputs import InputProcessor
 from jpaged.engine.output import OutputProcessor
 from jpaged.engine.pipeline import DecodePipeline
 from jpaged.engine.scheduler import Scheduler
-from jpaged.models.weights import checkpoint_weights, new_parameters
 
 
 class StepRecord(NamedTuple):
@@ -273,8 +272,7 @@ class LLMEngine:
         the new weights from their next step, attending over the KV the old weights wrote;
         decode loops already dispatched (async scheduling) finish with the old weights.
         """
-        model = self.executor.model_def.merge(self.executor.param_leaves)
-        values = new_parameters(model, weights, self.executor.named_params())
+        values = self.executor.new_params(weights)   # every tensor checked here
         live = [seq for request in self._requests.values() for seq in request.sequences]
         if self.pipeline.loops:
             self.pipeline.newest.releases.extend(
@@ -287,7 +285,7 @@ class LLMEngine:
     def get_weights(self) -> dict:
         """{Hugging Face tensor name: jax array in the checkpoint's layout}: what
         `update_weights` takes, and what a checkpoint of the model would hold."""
-        return checkpoint_weights(self.executor.model_def.merge(self.executor.param_leaves))
+        return self.executor.checkpoint_weights()
 
     # ---- introspection ----------------------------------------------------------------------
     @property
