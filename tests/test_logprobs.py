@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from jpaged import SamplingParams
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.logprobs import PositionRows, given_token_logprobs
 from jpaged.serve import build_app, model_info
 from jpaged.serve.async_engine import AsyncEngine
 
@@ -177,6 +178,18 @@ def test_processed_logprobs_are_those_of_the_distribution_sampled(path, engines)
     assert raw_entry[token] < 0
     assert abs(cool_entry[cool_token]
                - hf_token_logprobs(path, prompts[1], [cool_token], 0.7)[0]) < TOLERANCE
+
+
+def test_given_token_logprobs_on_a_hand_worked_case():
+    """logits (0, ln 3): p = (1/4, 3/4); at temperature 2, (0, ln 3 / 2): p1 = r3 / (1 + r3)."""
+    logits = np.array([[0.0, np.log(3.0)], [0.0, np.log(3.0)]], np.float32)
+    rows = PositionRows.from_lists([0, 1], [1, 0], [1.0, 2.0], size=2)
+    out = given_token_logprobs(logits, rows, num_logprobs=1)
+    root = np.sqrt(3.0)
+    np.testing.assert_allclose(out.logprobs, [np.log(0.75), np.log(1 / (1 + root))], rtol=1e-6)
+    np.testing.assert_allclose(out.top_logprobs[:, 0], [np.log(0.75), np.log(root / (1 + root))],
+                               rtol=1e-6)
+    assert out.top_ids[:, 0].tolist() == [1, 1] and out.token_ids.tolist() == [1, 0]
 
 
 def test_sampling_params_cap_prompt_logprobs():

@@ -60,6 +60,11 @@ class InputProcessor:
                              f"tokens) but the pool has only {usable}: it could never run")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} exceeds {MAX_LOGPROBS}")
+        if params.prompt_logprobs is not None and config.strict_compilation:
+            # Scoring steps are program variants warm-up does not compile (one per count of
+            # scored positions): refused here rather than failing a step later.
+            raise ValueError("prompt_logprobs (and score) compile their own step programs on "
+                             "first use, which strict_compilation forbids")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains ids outside [0, {self.vocab_size}) (the "
