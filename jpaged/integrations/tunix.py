@@ -26,7 +26,13 @@ from jpaged.sampling import SamplingParams
 
 
 class JpagedRollout(base_rollout.BaseRollout):
-    """A Tunix rollout worker backed by a jpaged `LLM` (`self.llm`)."""
+    """A Tunix rollout worker backed by a jpaged `LLM` (`self.llm`).
+
+    Tunix passes rollout_actor, tokenizer (its TokenizerAdapter), mesh and rollout_config;
+    `model` and the `LLM` options come from the partial. The mesh is not used: the engine takes
+    its devices from its own options (`devices`, `tensor_parallel_size`). `max_model_len`
+    defaults to the rollout config's kv_cache_size, `logprobs_mode` to "processed_logprobs".
+    """
 
     def __init__(self, rollout_actor: nnx.Module, tokenizer: Any, mesh=None,
                  rollout_config: base_rollout.RolloutConfig | None = None, *, model: str,
