@@ -14,7 +14,10 @@ $(VENV)/.installed-base: pyproject.toml
 $(VENV)/.installed-dev: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[dev,serve,bench]'
+	$(PY) -m pip install -e '.[dev,serve,bench,tunix]'
+	# Tunix without its pins (its safetensors<0.8 would downgrade transformers); the extra
+	# above holds the packages its modules import.
+	$(PY) -m pip install --no-deps google-tunix==0.1.7
 	touch $(VENV)/.installed-base $@
 
 run: $(VENV)/.installed-base

@@ -106,3 +106,14 @@ def test_the_blocks_package_does_not_import_the_engine_or_models():
             parts = name.split(".")
             assert not (parts[0] == "jpaged" and len(parts) > 1
                         and parts[1] in ENGINE | {"models"}), f"{path} imports {name}"
+
+
+def test_only_integrations_know_the_libraries_they_adapt():
+    """jpaged works without Tunix: only jpaged/integrations imports it, and nothing imports
+    jpaged.integrations (a user does)."""
+    for path in python_files("jpaged"):
+        if "integrations" in path.relative_to(ROOT / "jpaged").parts:
+            continue
+        for name in imports_of(path):
+            assert name.split(".")[0] != "tunix", f"{path} imports {name}"
+            assert not name.startswith("jpaged.integrations"), f"{path} imports {name}"

@@ -1,0 +1,166 @@
+"""`JpagedRollout`: jpaged as the rollout engine of Tunix's RL trainers (`RLCluster`, GRPO).
+
+Give it to Tunix as `ClusterConfig(rollout_engine=functools.partial(JpagedRollout,
+model=HF_DIR, **llm_options))`. `HF_DIR` is a Hugging Face checkpoint directory of the same
+network as the Tunix actor (its config and tokenizer build the engine); the actor's weights are
+pushed into the engine at construction and at every `sync_weights`.
+
+Log-probabilities are what Tunix's learner computes for the same tokens: log_softmax of
+`logits / temperature` over the whole vocabulary, with the rollout config's temperature (1 when
+it is 0, as Tunix does). Sampled-token logprobs come straight from sampling when the engine
+reports them that way (`logprobs_mode="processed_logprobs"`, no top-k/top-p/min-p filtering);
+otherwise the samples are scored again with `LLM.score`.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tunix.rl.rollout import base_rollout
+
+from jpaged.integrations.tunix_weights import check_configs, hf_weights
+from jpaged.llm import LLM
+from jpaged.sampling import SamplingParams
+
+
+class JpagedRollout(base_rollout.BaseRollout):
+    """A Tunix rollout worker backed by a jpaged `LLM` (`self.llm`).
+
+    Tunix passes rollout_actor, tokenizer (its TokenizerAdapter), mesh and rollout_config;
+    `model` and the `LLM` options come from the partial. The mesh is not used: the engine takes
+    its devices from its own options (`devices`, `tensor_parallel_size`). `max_model_len`
+    defaults to the rollout config's kv_cache_size, `logprobs_mode` to "processed_logprobs".
+    """
+
+    def __init__(self, rollout_actor: nnx.Module, tokenizer: Any, mesh=None,
+                 rollout_config: base_rollout.RolloutConfig | None = None, *, model: str,
+                 **llm_options):
+        self._model = _abstract_copy(rollout_actor)
+        self._tokenizer = tokenizer
+        self._config = rollout_config or base_rollout.RolloutConfig()
+        llm_options.setdefault("logprobs_mode", "processed_logprobs")
+        llm_options.setdefault("max_model_len", self._config.kv_cache_size)
+        self.llm = LLM(model, **llm_options)
+        self._is_processed = llm_options["logprobs_mode"] == "processed_logprobs"
+        check_configs(rollout_actor, self.llm.engine.model_config)
+        self.update_params(nnx.state(rollout_actor, nnx.Param))
+
+    # ---- weights ------------------------------------------------------------------------------
+    def update_params(self, params, filter_types=None) -> None:
+        """Tunix's Param state (full model) -> jpaged's weights, converted on the device."""
+        if filter_types is not None and nnx.LoRAParam in tuple(filter_types):
+            raise NotImplementedError("JpagedRollout syncs full weights; merge LoRA adapters "
+                                      "into the base model before syncing")
+        if not any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(params)):
+            return   # `model()`'s own shapes handed back (Tunix's offload path): nothing new
+        tied = self.llm.engine.model_config.tie_word_embeddings
+        weights = hf_weights(params, tie_word_embeddings=tied)
+        # Tunix syncs on CPU under transfer guards that forbid every host<->device copy. The
+        # weights stay on the device; the engine still sends a few block indices to it (freeing
+        # the prefix cache), so host-to-device is allowed and device-to-host, the direction
+        # a weights round trip would need, stays forbidden.
+        with jax.transfer_guard_host_to_device("allow"):
+            self.llm.update_weights(weights)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig,
+                 **kwargs) -> base_rollout.RolloutOutput:
+        prompt_ids = [self._tokenize(prompt) for prompt in prompts]
+        outputs = self.llm.generate(prompt_token_ids=prompt_ids, use_tqdm=False,
+                                    sampling_params=self._sampling_params(rollout_config,
+                                                                          len(prompts)))
+        tokens = [np.asarray(out.outputs[0].token_ids, np.int32) for out in outputs]
+        logprobs = None
+        if rollout_config.return_logprobs:
+            logprobs = self._sample_logprobs(rollout_config, prompt_ids, tokens, outputs)
+        return base_rollout.RolloutOutput(
+            text=[self._tokenizer.decode(t.tolist()) for t in tokens],
+            logits=None,
+            tokens=tokens,
+            left_padded_prompt_tokens=self._left_padded(prompt_ids,
+                                                        rollout_config.max_prompt_length),
+            logprobs=logprobs,
+        )
+
+    def _tokenize(self, prompt: str) -> list[int]:
+        """As Tunix's sampler does: one BOS in front (when the tokenizer has one)."""
+        ids = list(self._tokenizer.encode(str(prompt)))   # Tunix hands numpy strings
+        bos = self._tokenizer.bos_id()
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def _sampling_params(self, config, count: int) -> list[SamplingParams]:
+        eos = config.eos_tokens if config.eos_tokens is not None else [self.eos_id()]
+        seed = None if config.seed is None else int(np.asarray(config.seed).reshape(-1)[0])
+        return [SamplingParams(
+            temperature=config.temperature, top_p=1.0 if config.top_p is None else config.top_p,
+            top_k=-1 if config.top_k is None else config.top_k,
+            max_tokens=config.max_tokens_to_generate, stop_token_ids=list(eos),
+            # a seed per sample: the G samples of one prompt must differ
+            seed=None if seed is None else seed + i,
+            logprobs=0 if config.return_logprobs else None) for i in range(count)]
+
+    def _sample_logprobs(self, config, prompt_ids, tokens, outputs) -> list[np.ndarray]:
+        is_filtered = (config.top_k not in (None, -1)) or (config.top_p not in (None, 1.0))
+        if self._is_processed and config.temperature > 0 and not is_filtered:
+            return [np.asarray([entry[token] for entry, token in
+                                zip(out.outputs[0].logprobs, out.outputs[0].token_ids)],
+                               np.float32) for out in outputs]
+        return self.llm.score(prompt_ids, [t.tolist() for t in tokens],
+                              temperature=_trainer_temperature(config.temperature))
+
+    def _left_padded(self, prompt_ids: list[list[int]], width: int) -> np.ndarray:
+        """[B, width] int32; width grows to the next power of two past the longest prompt, as
+        Tunix's sampler does."""
+        longest = max(len(ids) for ids in prompt_ids)
+        if longest > width:
+            width = 1 << (longest - 1).bit_length()
+        padded = np.full((len(prompt_ids), width), self.pad_id(), np.int32)
+        for row, ids in enumerate(prompt_ids):
+            padded[row, width - len(ids):] = ids
+        return padded
+
+    # ---- scoring ------------------------------------------------------------------------------
+    def get_per_token_logps(self, prompt_tokens: jax.Array,
+                            completion_tokens: jax.Array) -> jax.Array:
+        """[B, C] float32 from left-padded prompts [B, P] and right-padded completions [B, C]:
+        each completion token's logprob at the rollout temperature, 0 at pad positions. Pads
+        are dropped before scoring, as Tunix's own forward masks them and skips their
+        positions."""
+        prompts, completions = np.asarray(prompt_tokens), np.asarray(completion_tokens)
+        pad = self.pad_id()
+        is_real = completions != pad
+        scored = self.llm.score([row[row != pad].tolist() for row in prompts],
+                                [row[mask].tolist() for row, mask in zip(completions, is_real)],
+                                temperature=_trainer_temperature(self._config.temperature))
+        logps = np.zeros(completions.shape, np.float32)
+        for row, values in enumerate(scored):
+            logps[row, is_real[row]] = values
+        return jnp.asarray(logps)
+
+    # ---- ids and model ------------------------------------------------------------------------
+    def pad_id(self) -> int:
+        return self._tokenizer.pad_id()
+
+    def eos_id(self) -> int:
+        return self._tokenizer.eos_id()
+
+    def model(self) -> nnx.Module:
+        """The actor's structure with shapes for values: the weights live in the engine. It
+        must not share the trainer's arrays, or Tunix decides the rollout needs no sync."""
+        return self._model
+
+
+def _abstract_copy(model: nnx.Module) -> nnx.Module:
+    """`model` with a jax.ShapeDtypeStruct in place of every array (no memory)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                            state))
+
+
+def _trainer_temperature(temperature: float) -> float:
+    """Tunix's learner divides logits by the temperature unless it is 0 (greedy) or 1."""
+    return 1.0 if temperature == 0 else float(temperature)
