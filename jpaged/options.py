@@ -158,8 +158,9 @@ OPTIONS: tuple[Option, ...] = (
            "the last one's tokens", boolean),
     Option("async_depth", int, 2, "with async_scheduling, decode loops kept in flight behind the "
            "host", positive_int),
-    Option("warmup", bool, None, "compile every bucket shape at start (None: on an accelerator, "
-           "not on the CPU)", boolean, is_decided_at_start=True),
+    Option("warmup", bool, None, "compile every bucket shape at start: a first request's "
+           "programs before the engine is ready, the rest in the background (None: on an "
+           "accelerator, not on the CPU)", boolean, is_decided_at_start=True),
     Option("strict_compilation", bool, False, "after warm-up, any new compilation is an error "
            "(needs warmup)", boolean),
     Option("compilation_cache_dir", str, None, "persist compiled programs here so a restart "
