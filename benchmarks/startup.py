@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = ("builtin", "hf", "serve_builtin", "serve_8b")
 PROMPT = "import os\n\n\ndef "
 PROGRESS = re.compile(r"compiled (\d+)/(\d+) programs \((\d+) from the compilation cache, "
-                      r"([\d.]+) s compiling\)")
+                      r"([\d.]+) s compiling")
 
 
 # ---- one measurement, in its own process --------------------------------------------------------

@@ -151,7 +151,7 @@ class SlowProgram:
 
 
 def test_a_dispatch_waits_for_its_program_compiling_in_the_background():
-    table, program = programs.Programs(num_threads=2), SlowProgram()
+    table, program = programs.Programs(), SlowProgram()
     x = jnp.arange(4.0)
     future = table.submit(("double",), program, (x,), {})
     results = []
@@ -168,3 +168,13 @@ def test_a_dispatch_waits_for_its_program_compiling_in_the_background():
     table.strict = True
     with pytest.raises(RuntimeError, match="strict"):
         table.executable(("other",), program, (x,), {})
+
+
+def test_server_flags_set_or_turn_off_the_cache(tmp_path):
+    pytest.importorskip("fastapi")
+    from jpaged.serve.cli import parse_args
+
+    assert parse_args([]).compilation_cache_dir is None
+    assert parse_args(["--no-compilation-cache"]).compilation_cache_dir is False
+    assert parse_args(["--compilation-cache-dir", str(tmp_path)]).compilation_cache_dir == \
+        str(tmp_path)

@@ -10,9 +10,10 @@ compiles, so the pool's threads compile in parallel; tracing and lowering take t
 """
 
 import os
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -28,6 +29,34 @@ def _count_cache_hit(event: str, **kwargs):
 
 
 jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+class _Pool:
+    """The process's compile threads, started on first use. Daemon threads: a process that is
+    done exits without waiting for programs still compiling in the background."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fn, *args):
+        with self._lock:
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, daemon=True,
+                                                  name=f"jpaged-compile-{index}")
+                                 for index in range(os.cpu_count() or 1)]
+                for thread in self._threads:
+                    thread.start()
+        self._queue.put((fn, args))
+
+    def _work(self):
+        while True:
+            fn, args = self._queue.get()
+            fn(*args)
+
+
+_POOL = _Pool()
 
 
 def clear_shared():
@@ -55,11 +84,9 @@ class Programs:
     strict: a key not yet known is an error (set after warm-up by strict compilation).
     """
 
-    def __init__(self, num_threads: int | None = None):
+    def __init__(self):
         self._lock = threading.Lock()
         self._entries: dict[tuple, Future] = {}
-        self._pool = ThreadPoolExecutor(num_threads or os.cpu_count() or 1,
-                                        thread_name_prefix="jpaged-compile")
         self.strict = False
         self.compile_seconds = 0.0   # summed over threads, compiles of this engine only
         self.num_compiled = 0        # compiled (or loaded from the persistent cache) here
@@ -92,7 +119,7 @@ class Programs:
             if key in self._entries:
                 return self._entries[key]
             future = self._entries[key] = Future()
-        self._pool.submit(self._resolve, future, program, argument_specs(args), static)
+        _POOL.submit(self._resolve, future, program, argument_specs(args), static)
         return future
 
     def pending(self) -> list[Future]:

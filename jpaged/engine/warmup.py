@@ -10,6 +10,7 @@ All-padding inputs change no state, and nothing runs here: programs are lowered 
 ahead of time, so the executables warm-up makes are those dispatch calls.
 """
 
+import functools
 import sys
 import threading
 
@@ -68,27 +69,29 @@ def compile_programs(executor, *, max_steps: int, max_model_len: int, first_only
     reporter = Progress(executor.programs, len(calls if not first_only else first)
                         + len(OPERATIONS), progress)
     futures = [executor.programs.submit(*call) for call in first]
-    for future in futures:
-        future.add_done_callback(reporter.done)
+    for call, future in zip(first, futures):
+        future.add_done_callback(functools.partial(reporter.done, call[0]))
     for operation in OPERATIONS:
         operation.warm_up(executor)
-        reporter.done()
+        reporter.done((operation.kind,))
     for future in futures:
         future.result()
     for call in rest:
-        executor.programs.submit(*call).add_done_callback(reporter.done)
+        executor.programs.submit(*call).add_done_callback(
+            functools.partial(reporter.done, call[0]))
     executor.num_padded_tokens = executor.num_real_tokens = 0
 
 
 class Progress:
-    """One line on the terminal: programs ready of all, persistent-cache hits, compile seconds."""
+    """One line on the terminal: programs ready of all, persistent-cache hits, compile seconds,
+    and the last program done (its key: kind and shape buckets)."""
 
     def __init__(self, programs, total: int, is_shown: bool):
         self.programs, self.total, self.is_shown = programs, total, is_shown
         self.count = 0
         self._lock = threading.Lock()
 
-    def done(self, *_):
+    def done(self, key: tuple, *_):
         with self._lock:
             self.count += 1
             if not self.is_shown:
@@ -97,5 +100,5 @@ class Progress:
             end = "\n" if self.count == self.total else ""
             print(f"\rjpaged: compiled {self.count}/{self.total} programs "
                   f"({programs.num_cache_hits} from the compilation cache, "
-                  f"{programs.compile_seconds:.1f} s compiling)", end=end, file=sys.stderr,
-                  flush=True)
+                  f"{programs.compile_seconds:.1f} s compiling; last: "
+                  f"{' '.join(map(str, key))})", end=end, file=sys.stderr, flush=True)
