@@ -171,8 +171,9 @@ OPTIONS: tuple[Option, ...] = (
            "computed (automatic prefix caching)", boolean),
     Option("preemption_mode", str, "auto", "when KV blocks run out, a victim's blocks are swapped "
            "to host memory (swap), dropped and prefilled again later (recompute), or whichever "
-           "the transfer and prefill rates measured at start say is cheaper for that victim "
-           "(auto; recompute under tensor or data parallelism)", choices=PREEMPTION_MODES),
+           "the transfer and prefill rates (measured at the first preemption) say is cheaper "
+           "for that victim (auto; recompute under tensor or data parallelism)",
+           choices=PREEMPTION_MODES),
     Option("swap_space", float, 4.0, "GiB of host memory for swapped-out KV blocks (0: never "
            "swap)", gibibytes),
     Option("tensor_parallel_size", int, 1, "devices each engine splits the model and KV cache "

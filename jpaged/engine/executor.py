@@ -133,8 +133,10 @@ class Executor:
 
     # ---- swap-or-recompute policy -----------------------------------------------------------
     def measure_swap_rates(self) -> dict:
-        """The start-up measurements the "auto" preemption policy compares: a swap round trip
-        (fixed seconds + seconds per block) and the prefill rate (seconds per token)."""
+        """The measurements the "auto" preemption policy compares: a swap round trip (fixed
+        seconds + seconds per block) and the prefill rate (seconds per token). Taken at the first
+        decision, not at start: the largest prefill step ran four times at every start (most of
+        a CPU start: 145 s of 170 on a busy 2-core machine), and most runs never preempt."""
         typical = self.max_blocks_per_seq
         self.cache, fixed, per_block = transfer_rate_probe(
             self.swap_store, self.cache, min(typical, self.manager.num_blocks - 1))
@@ -144,7 +146,7 @@ class Executor:
 
     def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
         """Is swapping num_blocks out and back cheaper than prefilling num_tokens again?"""
-        rates = self.swap_rates
+        rates = self.swap_rates or self.measure_swap_rates()
         swap = rates["swap_fixed_seconds"] + rates["swap_seconds_per_block"] * num_blocks
         return swap < rates["prefill_seconds_per_token"] * num_tokens
 
@@ -321,12 +323,12 @@ class Executor:
         best of `repeats` after one untimed call."""
         size = self.max_num_batched_tokens
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
-        best = float("inf")
+        best, counts = float("inf"), (self.num_padded_tokens, self.num_real_tokens)
         for _ in range(repeats + 1):
             start = time.perf_counter()
             self.execute([(-1, [0] * size)], [(0, pad_row)], 0)
             best = min(best, time.perf_counter() - start)
-        self.num_padded_tokens = self.num_real_tokens = 0
+        self.num_padded_tokens, self.num_real_tokens = counts   # padding, not the workload's
         return best / bucket(size, min(128, size), size)
 
     def warmup(self, *, max_steps: int, max_model_len: int, first_only: bool = False,

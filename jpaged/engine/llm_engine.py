@@ -61,7 +61,6 @@ class LLMEngine:
         if config.warmup:
             self.compile_programs()
         if self.executor.num_swap_blocks and config.preemption_mode == "auto":
-            self.executor.measure_swap_rates()
             self.scheduler.swap_policy = self.executor.swap_is_cheaper
         self.executor.strict_compilation = config.strict_compilation
         self._requests: dict = {}
