@@ -172,7 +172,8 @@ def header(argv: list[str]) -> str:
 
     device = jax.devices()[0]
     return (f"# Start-up time\n\nDevice: {device.device_kind} ({jax.default_backend()}), "
-            f"{os.cpu_count()} CPU cores. Date: {datetime.date.today().isoformat()}. "
+            f"{os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f} at the end: "
+            f"other processes share them). Date: {datetime.date.today().isoformat()}. "
             f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib "
             f"{jaxlib.__version__}.\n\nCommand: `python benchmarks/startup.py "
             f"{' '.join(argv)}`\n\n")
