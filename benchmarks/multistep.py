@@ -83,7 +83,7 @@ def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False, trace
             temperature=0.0, max_tokens=decode_tokens, ignore_eos=True,
             output_kind=output_kind))
     engine.step_log = []
-    shapes_before = len(engine.executor.compiled_shapes)
+    shapes_before = engine.executor.num_compilations
     engine.step()   # the prompts' prefill (all of them fit one step)
     assert not engine.step_log[0].is_decode and engine.step_log[0].num_seqs == batch
     if trace_dir:
@@ -97,7 +97,7 @@ def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False, trace
     decode = engine.step_log[1:]
     return dict(batch=batch, k=k, tokens=sum(r.num_generated for r in decode),
                 host=sum(r.host_seconds for r in decode), steps=len(decode),
-                compiled=len(engine.executor.compiled_shapes) > shapes_before, elapsed=elapsed)
+                compiled=engine.executor.num_compilations > shapes_before, elapsed=elapsed)
 
 
 def measure(engine, batch, k, decode_tokens, rng, output_kind) -> dict:

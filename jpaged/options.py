@@ -51,6 +51,7 @@ class Option:
     is_decided_at_start: bool = False
     is_keyword: bool = True    # accepted by LLM(...) / LLMEngine.from_pretrained(...)
     is_flag: bool = True       # a flag of python -m jpaged.serve
+    off_flag: str | None = None  # a second flag that sets the option to False
 
     @property
     def flag(self) -> str:
@@ -117,6 +118,10 @@ def directory(value):
     return None if isinstance(value, (str, os.PathLike)) else "must be a directory path"
 
 
+def directory_or_off(value):
+    return None if value is False else directory(value) and "must be a directory path or False"
+
+
 def device_list(value):
     return None if isinstance(value, (list, tuple)) and value else \
         "must be a non-empty list of jax devices"
@@ -155,18 +160,22 @@ OPTIONS: tuple[Option, ...] = (
            "the last one's tokens", boolean),
     Option("async_depth", int, 2, "with async_scheduling, decode loops kept in flight behind the "
            "host", positive_int),
-    Option("warmup", bool, None, "compile every bucket shape at start (None: on an accelerator, "
-           "not on the CPU)", boolean, is_decided_at_start=True),
+    Option("warmup", bool, None, "compile every bucket shape at start: a first request's "
+           "programs before the engine is ready, the rest in the background (None: on an "
+           "accelerator, not on the CPU)", boolean, is_decided_at_start=True),
     Option("strict_compilation", bool, False, "after warm-up, any new compilation is an error "
            "(needs warmup)", boolean),
     Option("compilation_cache_dir", str, None, "persist compiled programs here so a restart "
-           "skips compiling (a process-wide JAX setting)", directory),
+           "skips compiling (None: $XDG_CACHE_HOME/jpaged or ~/.cache/jpaged; False: no "
+           "persistent cache; a process-wide JAX setting)", directory_or_off,
+           is_decided_at_start=True, off_flag="--no-compilation-cache"),
     Option("enable_prefix_caching", bool, True, "reuse the KV blocks of prompt prefixes already "
            "computed (automatic prefix caching)", boolean),
     Option("preemption_mode", str, "auto", "when KV blocks run out, a victim's blocks are swapped "
            "to host memory (swap), dropped and prefilled again later (recompute), or whichever "
-           "the transfer and prefill rates measured at start say is cheaper for that victim "
-           "(auto; recompute under tensor or data parallelism)", choices=PREEMPTION_MODES),
+           "the transfer and prefill rates (measured at the first preemption) say is cheaper "
+           "for that victim (auto; recompute under tensor or data parallelism)",
+           choices=PREEMPTION_MODES),
     Option("logprobs_mode", str, "raw_logprobs", "what the sampled tokens' logprobs report: "
            "log_softmax of the raw model logits (raw_logprobs), or of the distribution sampled "
            "from, after temperature and top-k/top-p/min-p (processed_logprobs)",
@@ -246,7 +255,7 @@ class EngineConfig:
     async_depth: int = _default("async_depth")
     warmup: bool = False
     strict_compilation: bool = _default("strict_compilation")
-    compilation_cache_dir: str | None = _default("compilation_cache_dir")
+    compilation_cache_dir: str | bool = False  # decided: a directory, or False (off)
     enable_prefix_caching: bool = _default("enable_prefix_caching")
     preemption_mode: str = _default("preemption_mode")
     swap_space: float = _default("swap_space")
@@ -288,6 +297,8 @@ def markdown_table() -> str:
         flag = "(Python only)"
         if option.is_flag:
             flag = f"`--[no-]{option.flag[2:]}`" if option.type is bool else f"`{option.flag}`"
+            if option.off_flag:
+                flag += f", `{option.off_flag}`"
         meaning = option.help.replace("|", r"\|")   # a bare | would end the cell
         rows.append(f"| {keyword} | {flag} | {_type_text(option, union=' or ')} | "
                     f"`{_default_text(option)}` | {meaning} |")

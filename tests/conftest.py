@@ -2,12 +2,17 @@
 
 import gc
 import os
+import tempfile
 from pathlib import Path
 
 import jax
 import pytest
 
 MAX_MAPPINGS_KEPT = 15_000
+
+# Engines keep compiled programs in the user's cache directory by default: the suite's go to a
+# directory of its own (inherited by the servers and workers it starts), never ~/.cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jpaged-test-cache-")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -20,7 +25,10 @@ def release_compiled_programs():
     yield
     maps = Path(f"/proc/{os.getpid()}/maps")
     if not maps.exists() or maps.read_text().count("\n") > MAX_MAPPINGS_KEPT:
+        from jpaged.engine import programs
+
         jax.clear_caches()
+        programs.clear_shared()
         gc.collect()
 
 

@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def running_server(flags: list[str], log_path: Path, timeout: float = 90):
-    """Start the server with `flags`, wait until /health answers, yield its URL, stop it."""
+def running_server(flags: list[str], log_path: Path, timeout: float = 180):
+    """Start the server with `flags`, wait until /health answers, yield its URL, stop it.
+    The server compiles a first request's programs before /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -80,7 +80,7 @@ def test_a_step_that_raises_for_one_request_fails_it_alone(
     engine = engine_for(hf_checkpoints["llama_gqa"], num_scheduler_steps=num_scheduler_steps,
                         enable_prefix_caching=True)
     executor = engine.executor
-    build, launch = executor._build_inputs, executor._launch_fresh
+    build, launch = executor._build_inputs, executor.decode_inputs
 
     def bad_slot_in(slots):
         bad = engine._requests.get("bad")
@@ -98,7 +98,7 @@ def test_a_step_that_raises_for_one_request_fails_it_alone(
         return launch(rows, *args)
 
     monkeypatch.setattr(executor, "_build_inputs", faulty_build)
-    monkeypatch.setattr(executor, "_launch_fresh", faulty_launch)
+    monkeypatch.setattr(executor, "decode_inputs", faulty_launch)
     got = run(engine, bad_prompt=[21, 22, 23])
     bad = got["bad"]
     assert bad.finished and "OverflowError: step inputs overflow" in bad.error

@@ -213,6 +213,7 @@ def check_no_compilation_after_warmup(hf_checkpoints, tmp_path):
         max_num_batched_tokens=64, num_scheduler_steps=4, warmup=True, strict_compilation=True,
         async_scheduling=True, compilation_cache_dir=str(tmp_path / "xla_cache"))
     compiled = eng.stats()["num_compilations"]
+    eng.wait_for_compilation()   # the programs warm-up queued behind the first ones
     _JAX_COMPILE_EVENTS.clear()
     assert compiled > 0 and eng.stats()["warmup_seconds"] > 0
     rng = np.random.default_rng(8)

@@ -119,7 +119,9 @@ def test_swapped_mid_prefill_resumes_its_chunks(hf_checkpoints):
 def test_auto_policy_compares_transfer_and_prefill_costs(hf_checkpoints):
     engine = LLMEngine.from_pretrained(hf_checkpoints["llama_gqa"], num_kv_blocks=32,
                                        max_model_len=128, max_num_seqs=4)
-    rates = engine.executor.swap_rates   # measured at start-up
+    assert engine.executor.swap_rates is None   # measured at the first decision
+    engine.scheduler.swap_policy(8, 128)
+    rates = engine.executor.swap_rates
     assert rates["swap_seconds_per_block"] > 0 and rates["prefill_seconds_per_token"] > 0
     engine.executor.swap_rates = {"swap_fixed_seconds": 1e-3, "swap_seconds_per_block": 1e-4,
                          "prefill_seconds_per_token": 1e-4}

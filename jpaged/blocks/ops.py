@@ -7,10 +7,11 @@ device allocator repeats the mirror's history block for block. Adding an operati
 a class here and a ledger method that produces it.
 
 `run` takes the executor's device state as a `DeviceBlocks`: the block-manager pytree, the KV
-cache and the swap store, plus `dispatch`, which counts compilations. Row lists are padded to
-power-of-two buckets up to the batch size (at least 4), block lists to buckets of at most
-`OP_CHUNK` entries, so each operation compiles a handful of shapes, all at warm-up
-(`warm_up`). Padded entries are -1: rows and blocks the device programs skip.
+cache and the swap store, plus `dispatch`, which counts compilations. Row lists are padded to the
+batch size (at least 4), block lists to `OP_CHUNK` entries (longer lists go in chunks), so each
+operation compiles ONE shape, at warm-up (`warm_up`): these programs are small scatters whose
+padding costs microseconds, while every extra shape was one more program to compile at start.
+Padded entries are -1: rows and blocks the device programs skip.
 """
 
 import dataclasses
@@ -75,6 +76,11 @@ def _row_cap(device: DeviceBlocks) -> int:
     return max(4, device.max_num_seqs)
 
 
+def _rows(device: DeviceBlocks, count: int) -> int:
+    """The rows an operation on `count` rows pads to: always the cap (one shape)."""
+    return bucket(count, _row_cap(device), _row_cap(device))
+
+
 class BlockOp:
     """One block operation. Subclasses are frozen dataclasses."""
     kind: ClassVar[str]
@@ -100,7 +106,7 @@ class BlockOp:
 
 def _rows_op(program, key: str, device: DeviceBlocks, rows: tuple, width: int = 0):
     """The manager after program(manager, *columns of rows padded to a row bucket)."""
-    padded = _padded(list(rows), bucket(len(rows), 4, _row_cap(device)), width)
+    padded = _padded(list(rows), _rows(device, len(rows)), width)
     columns = (padded,) if not width else tuple(padded[:, i] for i in range(width))
     return device.dispatch((key, padded.shape[0]), program, device.manager, *columns)
 
@@ -108,7 +114,7 @@ def _rows_op(program, key: str, device: DeviceBlocks, rows: tuple, width: int = 
 def _chunked_blocks_op(program, key: str, device: DeviceBlocks, blocks: tuple):
     for start in range(0, len(blocks), OP_CHUNK):
         part = list(blocks[start:start + OP_CHUNK])
-        ids = _padded(part, bucket(len(part), 4, OP_CHUNK))
+        ids = _padded(part, OP_CHUNK)
         device.manager = device.dispatch((key, ids.shape[0]), program, device.manager, ids)
 
 
@@ -128,7 +134,7 @@ class Free(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls((-1,) * size) for size in bucket_sizes(4, _row_cap(device))]
+        return [cls((-1,) * size) for size in (_row_cap(device),)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +170,7 @@ class Fork(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls(((-1, -1),) * size) for size in bucket_sizes(4, _row_cap(device))]
+        return [cls(((-1, -1),) * size) for size in (_row_cap(device),)]
 
 
 class _ReferenceOp(BlockOp):
@@ -176,7 +182,7 @@ class _ReferenceOp(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls((-1,) * size) for size in bucket_sizes(4, OP_CHUNK)]
+        return [cls((-1,) * OP_CHUNK)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +237,7 @@ class Adopt(BlockOp):
         mirror.adopt([(slot, list(blocks), length) for slot, blocks, length in self.items])
 
     def run(self, device):
-        size = bucket(len(self.items), 4, _row_cap(device))
+        size = _rows(device, len(self.items))
         slots = np.full(size, -1, np.int32)
         tables = np.full((size, device.max_blocks_per_seq), kv_cache.SINK_BLOCK, np.int32)
         lengths = np.zeros(size, np.int32)
@@ -243,7 +249,7 @@ class Adopt(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls(((-1, (), 0),) * size) for size in bucket_sizes(4, _row_cap(device))]
+        return [cls(((-1, (), 0),) * size) for size in (_row_cap(device),)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,12 +283,12 @@ class Copy(BlockOp):
     kind: ClassVar[str] = "copy"
 
     def run(self, device):
-        pairs = _padded(list(self.pairs), bucket(len(self.pairs), 4, _row_cap(device)), width=2)
+        pairs = _padded(list(self.pairs), _rows(device, len(self.pairs)), width=2)
         device.cache = device.dispatch((self.kind, pairs.shape[0]), _COPY, device.cache, pairs)
 
     @classmethod
     def padding(cls, device):
-        return [cls(((-1, -1),) * size) for size in bucket_sizes(4, _row_cap(device))]
+        return [cls(((-1, -1),) * size) for size in (_row_cap(device),)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jpaged import kv_cache, parallel
 from jpaged.config import normalize_dtype
+from jpaged.engine import compile_cache
 from jpaged.models.attention import unsupported_reason
 from jpaged.models.loader import load_model, load_tokenizer
 from jpaged.options import LOADING_OPTIONS, EngineConfig, OptionError, check_option, check_options
@@ -95,7 +96,8 @@ def build_engine_config(model, **options) -> EngineConfig:
 def decide_engine_config(model, settings: dict) -> EngineConfig:
     """The EngineConfig for `model` from checked settings (`check_options`): every start-up
     placeholder (None, "auto") decided. warmup None: compile at start on an accelerator, lazily on
-    the CPU. On a mesh, preemption "auto" means recompute (swapping knows one device's cache).
+    the CPU. compilation_cache_dir None: the user's cache directory. On a mesh, preemption "auto"
+    means recompute (swapping knows one device's cache).
     """
     tensor_parallel_size = settings["tensor_parallel_size"]
     if parallel.mesh_size(model.mesh) != tensor_parallel_size:
@@ -133,7 +135,9 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
         async_scheduling=settings["async_scheduling"], async_depth=settings["async_depth"],
         warmup=jax.default_backend() != "cpu" if warmup is None else warmup,
         strict_compilation=settings["strict_compilation"],
-        compilation_cache_dir=settings["compilation_cache_dir"],
+        compilation_cache_dir=(compile_cache.default_directory()
+                               if settings["compilation_cache_dir"] is None
+                               else settings["compilation_cache_dir"]),
         enable_prefix_caching=settings["enable_prefix_caching"],
         preemption_mode=preemption_mode, swap_space=settings["swap_space"],
         logprobs_mode=settings["logprobs_mode"],

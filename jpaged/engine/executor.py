@@ -10,6 +10,8 @@ returned ones on every call.
 
 Shapes are padded to buckets (powers of two between a floor and a cap) so the number of
 compilations is bounded: tokens T, sequences B and sampled rows R; decode-only steps use T = B.
+Every program runs through its ahead-of-time executable (`programs.Programs`), compiled at
+warm-up (`warmup.py`, in the background) or on first use.
 """
 
 import contextlib
@@ -22,24 +24,26 @@ import numpy as np
 
 from jpaged import kv_cache, parallel
 from jpaged.blocks import allocator
-from jpaged.blocks.ops import OPERATIONS, BlockOp, bucket, bucket_sizes
+from jpaged.blocks.ops import BlockOp, bucket
 from jpaged.blocks.swap import SwapStore, transfer_rate_probe
 from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, decode_loop,
                                        fresh_result, pack, result_layout, split_model,
                                        step_program, unpack_host)
+from jpaged.engine import compile_cache, warmup
+from jpaged.engine.programs import Programs
 from jpaged.logprobs import PositionRows
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
-from jpaged.sampling import (MAX_LOGPROBS, SAMPLER_MODES, SamplingParams, SamplingRow,
-                             SamplingTensors, sampler_mode)
+from jpaged.sampling import (MAX_LOGPROBS, SamplingParams, SamplingRow, SamplingTensors,
+                             sampler_mode)
 
 
-def enable_compilation_cache(directory: str):
-    """Persist compiled executables under `directory`, so a second start skips compiling.
-    This is a process-wide JAX setting (every engine in the process shares the cache)."""
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+def loop_sampler(sampling_rows, num_logprobs: int) -> str:
+    """The decode loop's sampler mode. Loops with top logprobs take "sort" for any sampled row
+    ("sort" is exact for rows that filter nothing), which spares compiling a "random" variant of
+    every logprobs loop; logprobs requests are rare and pay their top-k anyway."""
+    mode = sampler_mode(sampling_rows)
+    return "sort" if num_logprobs and mode == "random" else mode
 
 
 class StepFailed(Exception):
@@ -71,8 +75,8 @@ class Executor:
 
     def __init__(self, model, config):
         model_config = model.config
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
+        self.compilation_cache_dir = compile_cache.configure(config.compilation_cache_dir)
+        self.programs = Programs()
         self.model_def, self.param_leaves = split_model(model)
         # Committed to their devices (no copy), as replacements (`replace_params`) will be: jit
         # keys its cache on commitment, so an update would otherwise compile every program again.
@@ -105,14 +109,11 @@ class Executor:
         self.swap_store = (SwapStore(config.num_kv_blocks, self.bytes_per_block)
                            if self.num_swap_blocks else None)
         self.swap_rates = None            # measured by measure_swap_rates
-        self.compiled_shapes: set = set()
         self._fresh: dict = {}            # shape -> (fresh_result, control) on the device
         self._controls: dict = {}         # (batch, rows, num_steps) -> all-kept control vector
-        self.compile_seconds = 0.0
         self.num_padded_tokens = 0
         self.num_real_tokens = 0
         self.last_step_compiled = False
-        self.strict_compilation = False   # set after warm-up to make any new shape an error
         self.last_device_seconds = 0.0    # last step: inputs to device, compiled call, results back
 
     # ---- block operations, in the ledger's order --------------------------------------------
@@ -121,27 +122,34 @@ class Executor:
         for op in ops:
             op.run(self)
 
-    def dispatch(self, key, program, *args, **kwargs):
-        """program(*args, **kwargs); the first call of a shape `key` is a compilation, counted
-        (and an error once strict compilation is on)."""
-        is_new = key not in self.compiled_shapes
-        if is_new and self.strict_compilation:
-            raise RuntimeError(f"shape {key} was not compiled at warm-up and strict compilation "
-                               "is on")
+    def dispatch(self, key, program, *args, **static):
+        """program(*args, **static) through the executable compiled for shape `key`: the first
+        call of a key compiles it, counted (and an error once strict compilation is on); a key
+        still compiling in the background is waited for, never compiled twice."""
+        executable, is_new = self.programs.executable(key, program, args, static)
         if key[0] in ("step", "decode"):
             self.last_step_compiled = is_new
-        start = time.perf_counter()
-        result = program(*args, **kwargs)
-        if is_new:
-            jax.block_until_ready(result)
-            self.compiled_shapes.add(key)
-            self.compile_seconds += time.perf_counter() - start
-        return result
+        return executable(*args)
+
+    @property
+    def strict_compilation(self) -> bool:
+        """Any shape not compiled (or compiling) by now is an error; set after warm-up."""
+        return self.programs.strict
+
+    @strict_compilation.setter
+    def strict_compilation(self, value: bool):
+        self.programs.strict = value
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.programs.compile_seconds
 
     # ---- swap-or-recompute policy -----------------------------------------------------------
     def measure_swap_rates(self) -> dict:
-        """The start-up measurements the "auto" preemption policy compares: a swap round trip
-        (fixed seconds + seconds per block) and the prefill rate (seconds per token)."""
+        """The measurements the "auto" preemption policy compares: a swap round trip (fixed
+        seconds + seconds per block) and the prefill rate (seconds per token). Taken at the first
+        decision, not at start: the largest prefill step ran four times at every start (most of
+        a CPU start: 145 s of 170 on a busy 2-core machine), and most runs never preempt."""
         typical = self.max_blocks_per_seq
         self.cache, fixed, per_block = transfer_rate_probe(
             self.swap_store, self.cache, min(typical, self.manager.num_blocks - 1))
@@ -151,7 +159,7 @@ class Executor:
 
     def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
         """Is swapping num_blocks out and back cheaper than prefilling num_tokens again?"""
-        rates = self.swap_rates
+        rates = self.swap_rates or self.measure_swap_rates()
         swap = rates["swap_fixed_seconds"] + rates["swap_seconds_per_block"] * num_blocks
         return swap < rates["prefill_seconds_per_token"] * num_tokens
 
@@ -177,21 +185,10 @@ class Executor:
         """
         start = time.perf_counter()
         with self._unchanged_on_failure():
-            inputs, is_decode = self._build_inputs(rows, sampling_rows, scored)
-            logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
-            scored_bucket = MAX_LOGPROBS if num_scored_logprobs else 0
-            key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
-                   inputs.logits_indices.shape[0], is_decode, logprob_bucket)
-            if inputs.scored is not None:
-                key += ("scored", inputs.scored.targets.shape[0], scored_bucket)
-            packed, layout = pack(inputs)
-            program = step_program(inputs.token_ids.shape[0])
-            self.manager, self.cache, out, ok, scored_out = self.dispatch(
-                key, program, self.param_leaves, self.manager, self.cache, self._put(packed),
-                layout=layout, model_def=self.model_def, is_decode=is_decode,
-                num_logprobs=logprob_bucket, backend=self.attention_backend,
-                interpret=self.interpret, logprobs_mode=self.logprobs_mode,
-                num_scored_logprobs=scored_bucket)
+            key, program, args, static = self.step_call(rows, sampling_rows, num_logprobs,
+                                                        scored, num_scored_logprobs)
+            self.manager, self.cache, out, ok, scored_out = self.dispatch(key, program, *args,
+                                                                          **static)
         out, ok, scored_out = jax.device_get((out, ok, scored_out))
         self.last_device_seconds = time.perf_counter() - start
         if not ok:
@@ -212,6 +209,24 @@ class Executor:
             if self.manager is not before or any(leaf.is_deleted() for leaf in leaves):
                 raise
             raise StepFailed(f"{type(err).__name__}: {err}") from err
+
+    def step_call(self, rows, sampling_rows, num_logprobs: int, scored=(),
+                  num_scored_logprobs: int = 0):
+        """(key, program, args, static arguments) of the step `execute` runs."""
+        inputs, is_decode = self._build_inputs(rows, sampling_rows, scored)
+        logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
+        scored_bucket = MAX_LOGPROBS if num_scored_logprobs else 0
+        key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
+               inputs.logits_indices.shape[0], is_decode, logprob_bucket)
+        if inputs.scored is not None:
+            key += ("scored", inputs.scored.targets.shape[0], scored_bucket)
+        packed, layout = pack(inputs)
+        static = dict(layout=layout, model_def=self.model_def, is_decode=is_decode,
+                      num_logprobs=logprob_bucket, backend=self.attention_backend,
+                      interpret=self.interpret, logprobs_mode=self.logprobs_mode,
+                      num_scored_logprobs=scored_bucket)
+        return (key, step_program(inputs.token_ids.shape[0]),
+                (self.param_leaves, self.manager, self.cache, self._put(packed)), static)
 
     def run_rows(self, rows, block_ops: list) -> tuple[list, list]:
         """Apply the step's block operations, then run one compiled step of any mix for the
@@ -248,11 +263,13 @@ class Executor:
         stop_ids: [[int]] per row.
         """
         with self._unchanged_on_failure():
-            return self._launch_fresh(rows, sampling_rows, remaining, stop_ids, num_steps,
-                                      max_steps, max_model_len, num_logprobs)
+            return self._launch(*self.decode_inputs(rows, sampling_rows, remaining, stop_ids,
+                                                    num_steps, max_steps, max_model_len,
+                                                    num_logprobs), len(rows))
 
-    def _launch_fresh(self, rows, sampling_rows, remaining, stop_ids, num_steps, max_steps,
-                      max_model_len, num_logprobs) -> "LaunchedLoop":
+    def decode_inputs(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
+                      max_steps: int, max_model_len: int, num_logprobs: int) -> tuple:
+        """A fresh loop's device inputs, as `_launch` and `loop_call` take them (but num_rows)."""
         batch = bucket(len(rows), 4, self.max_num_seqs)
         width = bucket(max((len(ids) for ids in stop_ids), default=1), 16, 1 << 16)
         token_ids = np.zeros(batch, np.int32)
@@ -267,10 +284,11 @@ class Executor:
                               np.int32(num_steps))
         static = dict(max_steps=max_steps, max_model_len=max_model_len,
                       num_logprobs=MAX_LOGPROBS if num_logprobs else 0,
-                      sampler=sampler_mode(sampling_rows), logprobs_mode=self.logprobs_mode)
+                      sampler=loop_sampler(sampling_rows, num_logprobs),
+                      logprobs_mode=self.logprobs_mode)
         packed, layout = pack(inputs)
         fresh = self._fresh_result_and_control(batch, static)
-        return self._launch(self._put(packed), *fresh, layout, (batch, width), static, len(rows))
+        return (self._put(packed), *fresh, layout, (batch, width), static)
 
     def continue_decode(self, previous: "LaunchedLoop", keep, num_steps: int) -> "LaunchedLoop":
         """Dispatch the next loop straight from the previous one's device results (its last
@@ -321,12 +339,10 @@ class Executor:
     def _launch(self, packed, previous_result, control, layout, batch, static,
                 num_rows) -> "LaunchedLoop":
         """batch: (rows, stop-id width) buckets of the loop's inputs."""
-        key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
         start = time.perf_counter()
-        self.manager, self.cache, result, packed = self.dispatch(
-            key, decode_loop(batch[0]), self.param_leaves, self.manager, self.cache, packed,
-            previous_result, control, layout=layout, model_def=self.model_def,
-            backend=self.attention_backend, interpret=self.interpret, **static)
+        key, program, args, kwargs = self.loop_call(packed, previous_result, control, layout,
+                                                    batch, static)
+        self.manager, self.cache, result, packed = self.dispatch(key, program, *args, **kwargs)
         # Start the copy to the host now, queued behind this loop. Requested only at fetch time,
         # after the next loop was dispatched, it waited for that loop too on the H200 (a 55 ms
         # program's result took 140 ms to fetch behind a second one, 54 ms copied early).
@@ -334,6 +350,15 @@ class Executor:
         layout_of_result = result_layout(static["max_steps"], batch[0], static["num_logprobs"])
         return LaunchedLoop(packed, layout, batch, result, layout_of_result, static, num_rows,
                             start)
+
+    def loop_call(self, packed, previous_result, control, layout, batch, static) -> tuple:
+        """(key, program, args, static arguments) of a decode loop."""
+        key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
+        kwargs = dict(layout=layout, model_def=self.model_def, backend=self.attention_backend,
+                      interpret=self.interpret, **static)
+        return (key, decode_loop(batch[0]),
+                (self.param_leaves, self.manager, self.cache, packed, previous_result, control),
+                kwargs)
 
     def fetch_decode(self, launched: "LaunchedLoop", count: int) -> DecodeResult:
         """Wait for a launched loop; its results on the host, cut to the real rows."""
@@ -352,51 +377,20 @@ class Executor:
         best of `repeats` after one untimed call."""
         size = self.max_num_batched_tokens
         pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
-        best = float("inf")
+        best, counts = float("inf"), (self.num_padded_tokens, self.num_real_tokens)
         for _ in range(repeats + 1):
             start = time.perf_counter()
             self.execute([(-1, [0] * size)], [(0, pad_row)], 0)
             best = min(best, time.perf_counter() - start)
-        self.num_padded_tokens = self.num_real_tokens = 0
+        self.num_padded_tokens, self.num_real_tokens = counts   # padding, not the workload's
         return best / bucket(size, min(128, size), size)
 
-    def warmup(self, *, max_steps: int, max_model_len: int, progress: bool = True):
-        """Compile every bucket shape now, with all-padding inputs that change no state.
-
-        For each batch bucket: decode loops (one per sampler mode) and a single decode step;
-        mixed steps for each token bucket (all with and without top logprobs); every
-        block-operation size, and the swap transfers.
-        """
-        from tqdm.auto import tqdm
-
-        jobs = []
-        for logprobs in (0, 1):
-            for batch in bucket_sizes(4, self.max_num_seqs):
-                jobs += [("loop:" + mode, batch, logprobs) for mode in SAMPLER_MODES]
-                jobs.append(("decode_step", batch, logprobs))
-            for tokens in bucket_sizes(min(128, self.max_num_batched_tokens),
-                                       self.max_num_batched_tokens):
-                jobs.append(("step", tokens, logprobs))
-        jobs += [("block_op", op, 0) for op in OPERATIONS]
-        pad_row = SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0)
-        mode_rows = {"greedy": pad_row,  # a row that needs exactly this sampler mode
-                     "random": SamplingRow(SamplingParams(temperature=1.0), 0, 0, 0),
-                     "sort": SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, 0, 0)}
-        for job, size, logprobs in tqdm(jobs, desc="compiling", disable=not progress):
-            kind, _, mode = job.partition(":")  # size: a bucket, or an operation class
-            if kind == "loop":
-                launched = self.launch_decode(
-                    [(-1, 0)] * size, [mode_rows[mode]] * size, [0] * size, [[]] * size, 1,
-                    max_steps, max_model_len, logprobs)
-                self.fetch_decode(self.continue_decode(launched, [False] * size, 1), size)
-            elif kind == "step":
-                # One padded row per token bucket: seq -1 appends nothing, writes are dropped.
-                self.execute([(-1, [0] * size)], [(0, pad_row)], logprobs)
-            elif kind == "decode_step":  # a single decode step (requests are waiting)
-                self.execute([(-1, [0])] * size, [(0, pad_row)], logprobs)
-            else:  # a block operation's every shape, on nothing
-                size.warm_up(self)
-        self.num_padded_tokens = self.num_real_tokens = 0
+    def warmup(self, *, max_steps: int, max_model_len: int, first_only: bool = False,
+               progress: bool = True):
+        """Compile the bucket shapes (`warmup.compile_programs`): returns once the programs a
+        first request needs exist; the rest compile behind it (first_only: not at all)."""
+        warmup.compile_programs(self, max_steps=max_steps, max_model_len=max_model_len,
+                                first_only=first_only, progress=progress)
 
     def _build_inputs(self, rows, sampling_rows, scored=()):
         num_tokens = sum(len(tokens) for _, tokens in rows)
@@ -467,7 +461,8 @@ class Executor:
     # ---- stats ------------------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
-        return len(self.compiled_shapes)
+        """Programs compiled or compiling (one per shape key)."""
+        return len(self.programs)
 
     @property
     def graphdef(self):

@@ -62,12 +62,8 @@ class LLMEngine:
                                        max_model_len=config.max_model_len)
         self.warmup_seconds = 0.0
         if config.warmup:
-            start = time.perf_counter()
-            self.executor.warmup(max_steps=config.num_scheduler_steps,
-                                 max_model_len=config.max_model_len)
-            self.warmup_seconds = time.perf_counter() - start
+            self.compile_programs()
         if self.executor.num_swap_blocks and config.preemption_mode == "auto":
-            self.executor.measure_swap_rates()
             self.scheduler.swap_policy = self.executor.swap_is_cheaper
         self.executor.strict_compilation = config.strict_compilation
         self._requests: dict = {}
@@ -324,6 +320,20 @@ class LLMEngine:
     def num_generated_tokens(self) -> int:
         return self.output.num_generated_tokens
 
+    def compile_programs(self, *, first_only: bool = False, progress: bool = True):
+        """Compile the programs of every bucket shape (first_only: those a first request needs,
+        the smallest buckets). Returns once a first request's programs exist; the others
+        compile in the background (`wait_for_compilation`). Adds to warmup_seconds."""
+        start = time.perf_counter()
+        self.executor.warmup(max_steps=self.config.num_scheduler_steps,
+                             max_model_len=self.config.max_model_len, first_only=first_only,
+                             progress=progress)
+        self.warmup_seconds += time.perf_counter() - start
+
+    def wait_for_compilation(self):
+        """Block until every program queued by warm-up is compiled."""
+        self.executor.programs.wait()
+
     def stats(self) -> dict:
         executor, scheduler, ledger = self.executor, self.scheduler, self.ledger
         store, cache = executor.swap_store, ledger.prefix_cache
@@ -335,6 +345,8 @@ class LLMEngine:
             "num_waiting": len(scheduler.waiting),
             "num_compilations": executor.num_compilations,
             "compile_seconds": executor.compile_seconds,
+            "num_compiling": len(executor.programs.pending()),
+            "num_compilation_cache_hits": executor.programs.num_cache_hits,
             "warmup_seconds": self.warmup_seconds,
             "num_swapped": len(scheduler.swapped),
             "num_preemptions": scheduler.num_preemptions,

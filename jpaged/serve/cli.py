@@ -64,6 +64,9 @@ def add_option_flag(group, option: Option):
     else:
         kwargs.update(type=option.type, choices=option.choices)
     group.add_argument(option.flag, **kwargs)
+    if option.off_flag:
+        group.add_argument(option.off_flag, dest=option.name, action="store_const", const=False,
+                           help=f"set {option.name} to False")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,7 +91,10 @@ def engine_options(args: argparse.Namespace) -> dict:
 def build_engine(args: argparse.Namespace, name: str) -> AsyncEngine | DataParallelEngine:
     """One engine, or --data-parallel-size replicas behind one interface."""
     if args.data_parallel_size == 1:
-        return AsyncEngine(LLMEngine.from_pretrained(args.model, **engine_options(args)), name)
+        engine = LLMEngine.from_pretrained(args.model, **engine_options(args))
+        if not engine.config.warmup:   # a first request must not wait for its compiles
+            engine.compile_programs(first_only=True)
+        return AsyncEngine(engine, name)
     return DataParallelEngine.from_pretrained(args.model, name,
                                               data_parallel_size=args.data_parallel_size,
                                               **engine_options(args))

@@ -1,0 +1,163 @@
+"""Compiled programs by shape key: ahead-of-time lowering and compilation of the jitted device
+programs, on a thread pool (warm-up in the background) or on demand, the executables that
+dispatch calls, and the accounting (programs, compile seconds, persistent-cache hits).
+
+A program is compiled once per key and engine: a dispatch whose program is still compiling on the
+pool waits for that compile, it never starts a second one. Executables are also shared between
+engines of one process (the same program, static arguments and argument shapes), as jit's own
+cache shared them before compilation moved ahead of time. XLA releases the GIL while it
+compiles, so the pool's threads compile in parallel; tracing and lowering take turns on it.
+"""
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+
+_SHARED: dict = {}                  # signature -> Future of an executable, process-wide
+_SHARED_LOCK = threading.Lock()
+_COMPILING = threading.local()      # this thread's persistent-cache hits
+
+
+def _count_cache_hit(event: str, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+        _COMPILING.hits = getattr(_COMPILING, "hits", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+class _Pool:
+    """The process's compile threads, started on first use. Daemon threads: a process that is
+    done exits without waiting for programs still compiling in the background."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fn, *args):
+        with self._lock:
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, daemon=True,
+                                                  name=f"jpaged-compile-{index}")
+                                 for index in range(os.cpu_count() or 1)]
+                for thread in self._threads:
+                    thread.start()
+        self._queue.put((fn, args))
+
+    def _work(self):
+        while True:
+            fn, args = self._queue.get()
+            fn(*args)
+
+
+_POOL = _Pool()
+
+
+def clear_shared():
+    """Forget the executables engines share (with `jax.clear_caches`, to release their memory)."""
+    with _SHARED_LOCK:
+        _SHARED.clear()
+
+
+def _spec(value):
+    if isinstance(value, jax.Array):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+    value = np.asarray(value)
+    return jax.ShapeDtypeStruct(value.shape, value.dtype)
+
+
+def argument_specs(args) -> tuple:
+    """Shapes, dtypes and shardings of args: all lowering needs, taken at once because a
+    background compile may lower after the arrays were donated to another program."""
+    return jax.tree_util.tree_map(_spec, args)
+
+
+class Programs:
+    """An engine's compiled programs, by key (a tuple naming the program and its shape buckets).
+
+    strict: a key not yet known is an error (set after warm-up by strict compilation).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, Future] = {}
+        self.strict = False
+        self.compile_seconds = 0.0   # summed over threads, compiles of this engine only
+        self.num_compiled = 0        # compiled (or loaded from the persistent cache) here
+        self.num_cache_hits = 0      # of those, loaded from the persistent cache
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def executable(self, key: tuple, program, args: tuple, static: dict):
+        """(the compiled program of `key`, is_new). A new key compiles here and now; a key
+        compiling on the pool is waited for."""
+        with self._lock:
+            future = self._entries.get(key)
+            is_new = future is None
+            if is_new:
+                if self.strict:
+                    raise RuntimeError(f"shape {key} was not compiled at warm-up and strict "
+                                       "compilation is on")
+                future = self._entries[key] = Future()
+        if is_new:
+            self._resolve(future, program, argument_specs(args), static)
+        return future.result(), is_new
+
+    def submit(self, key: tuple, program, args: tuple, static: dict) -> Future:
+        """Compile `key` on the pool (unless known); its Future."""
+        with self._lock:
+            if key in self._entries:
+                return self._entries[key]
+            future = self._entries[key] = Future()
+        _POOL.submit(self._resolve, future, program, argument_specs(args), static)
+        return future
+
+    def pending(self) -> list[Future]:
+        with self._lock:
+            return [future for future in self._entries.values() if not future.done()]
+
+    def wait(self):
+        """Block until every program submitted so far is compiled (errors raise)."""
+        for future in self.pending():
+            future.result()
+
+    def _resolve(self, future: Future, program, specs: tuple, static: dict):
+        try:
+            future.set_result(self._compile(program, specs, static))
+        except BaseException as err:   # the waiting dispatch re-raises it
+            future.set_exception(err)
+
+    def _compile(self, program, specs: tuple, static: dict):
+        leaves, treedef = jax.tree_util.tree_flatten(specs)
+        signature = (program, tuple(sorted(static.items())), treedef, tuple(leaves))
+        with _SHARED_LOCK:
+            shared = _SHARED.get(signature)
+            is_owner = shared is None
+            if is_owner:
+                shared = _SHARED[signature] = Future()
+        if not is_owner:
+            return shared.result()
+        hits, start = getattr(_COMPILING, "hits", 0), time.perf_counter()
+        try:
+            compiled = program.lower(*specs, **static).compile()
+        except BaseException as err:
+            with _SHARED_LOCK:
+                _SHARED.pop(signature, None)
+            shared.set_exception(err)
+            raise
+        with self._lock:
+            self.compile_seconds += time.perf_counter() - start
+            self.num_compiled += 1
+            self.num_cache_hits += getattr(_COMPILING, "hits", 0) - hits
+        shared.set_result(compiled)
+        return compiled

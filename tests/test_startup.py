@@ -1,0 +1,180 @@
+"""Start-up: the persistent compilation cache (where it lives, off, unwritable, corrupt, warm
+starts), how many programs a start compiles, and background compilation (a dispatch waits for a
+program compiling on the pool and never compiles it twice)."""
+
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jpaged import LLMEngine, SamplingParams
+from jpaged.blocks.ops import OPERATIONS
+from jpaged.engine import compile_cache, programs, warmup
+
+SMALL = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+             warmup=False, preemption_mode="recompute")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+
+_COMPILES = []   # JAX's compile events while a test records them
+
+
+def _record(name, seconds, **kwargs):
+    if name.startswith("/jax/core/compile/backend_compile"):
+        _COMPILES.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_record)
+
+
+def generate(engine, prompt=(5, 6, 7, 8, 9)) -> list[int]:
+    engine.add_request("r", prompt_token_ids=list(prompt), params=GREEDY)
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                return list(output.outputs[0].token_ids)
+    raise AssertionError("the request did not finish")
+
+
+def forget_compiled():
+    """As a new process would start: no executable in memory, only the persistent cache."""
+    programs.clear_shared()
+    jax.clear_caches()
+
+
+@pytest.fixture
+def cache_off():
+    yield
+    compile_cache.configure(False)   # the cache is process-wide: leave it as other tests expect
+
+
+def test_first_programs_then_the_rest_in_the_background_with_no_compile_after():
+    """compile_programs returns with a first request's programs compiled; the request then
+    compiles nothing (the ahead-of-time executables are the ones run). First in the file: the
+    tests after it reuse these executables."""
+    engine = LLMEngine.from_pretrained(None, compilation_cache_dir=False, **SMALL)
+    engine.compile_programs(first_only=True, progress=False)
+    count = engine.stats()["num_compilations"]
+    assert count == 5 + len(OPERATIONS) - 3   # swap ops run no program of their own
+    _COMPILES.clear()
+    generate(engine)
+    assert _COMPILES == [] and engine.stats()["num_compilations"] == count
+    assert not engine.executor.last_step_compiled
+
+
+def test_default_directory_follows_xdg_cache_home(monkeypatch, tmp_path, cache_off):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.default_directory() == tmp_path / "xdg" / "jpaged"
+    engine = LLMEngine.from_pretrained(None, **SMALL)
+    assert Path(engine.config.compilation_cache_dir) == tmp_path / "xdg" / "jpaged"
+    used = engine.executor.compilation_cache_dir
+    assert used.parent == tmp_path / "xdg" / "jpaged"
+    device = jax.devices()[0]
+    assert jax.__version__ in used.name and device.platform in used.name
+    assert jax.config.jax_compilation_cache_dir == str(used)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compile_cache.default_directory() == tmp_path / "home" / ".cache" / "jpaged"
+
+
+def test_false_turns_the_cache_off(cache_off):
+    engine = LLMEngine.from_pretrained(None, compilation_cache_dir=False, **SMALL)
+    assert engine.executor.compilation_cache_dir is None
+    assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_unwritable_directory_warns_once_and_the_engine_works(tmp_path, cache_off):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    reference = generate(LLMEngine.from_pretrained(None, compilation_cache_dir=False, **SMALL))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = LLMEngine.from_pretrained(None, compilation_cache_dir=str(blocker), **SMALL)
+        tokens = generate(engine)
+    about_cache = [w for w in caught if "compilation cache" in str(w.message)]
+    assert len(about_cache) == 1, [str(w.message) for w in caught]
+    assert engine.executor.compilation_cache_dir is None and tokens == reference
+
+
+def test_warm_start_loads_from_the_cache_and_survives_corrupt_entries(tmp_path, cache_off):
+    directory = tmp_path / "cache"
+    forget_compiled()
+    cold = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
+    reference = generate(cold)
+    compiled = cold.executor.programs.num_compiled
+    assert compiled > 0 and cold.executor.programs.num_cache_hits == 0
+    entries = [path for path in directory.rglob("*") if path.is_file()]
+    assert len(entries) >= compiled
+    forget_compiled()
+    warm = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
+    assert generate(warm) == reference
+    assert warm.executor.programs.num_cache_hits == warm.executor.programs.num_compiled > 0
+    for path in entries:
+        path.write_bytes(b"\x00garbage" * 3)
+    forget_compiled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # JAX warns once per unreadable entry
+        broken = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
+        assert generate(broken) == reference
+    assert broken.executor.programs.num_cache_hits == 0
+
+
+def test_default_configuration_compiles_a_bounded_number_of_programs():
+    """109 programs at warm-up before (buckets x samplers x logprobs, block operations in 7
+    sizes each); one program per block operation and no "random" logprobs loops now."""
+    engine = LLMEngine.from_pretrained(None, num_kv_blocks=64, max_num_seqs=256,
+                                       max_num_batched_tokens=2048, warmup=False,
+                                       compilation_cache_dir=False, preemption_mode="recompute")
+    calls = warmup.program_calls(engine.executor, max_steps=1, max_model_len=128)
+    keys = {key for _, (key, *_) in calls}
+    assert len(keys) == len(calls)
+    # Seven block operations run a program (the swap ones compile their transfers themselves).
+    assert len(calls) + 7 <= 66
+    first = [key for is_first, (key, *_) in calls if is_first]
+    assert len(first) == 5 and all(key[-1] == 0 or key[-2] == 0 for key in first)
+
+
+class SlowProgram:
+    """A jitted function whose lowering waits for `release`: a compile still running."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.jitted = jax.jit(lambda x: x * 2)
+        self.num_lowered = 0
+
+    def lower(self, *args, **kwargs):
+        self.num_lowered += 1
+        assert self.release.wait(30)
+        return self.jitted.lower(*args, **kwargs)
+
+
+def test_a_dispatch_waits_for_its_program_compiling_in_the_background():
+    table, program = programs.Programs(), SlowProgram()
+    x = jnp.arange(4.0)
+    future = table.submit(("double",), program, (x,), {})
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(
+        table.executable(("double",), program, (x,), {})))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not future.done() and len(table.pending()) == 1
+    program.release.set()
+    waiter.join(30)
+    executable, is_new = results[0]
+    assert not is_new and program.num_lowered == 1 and table.num_compiled == 1
+    assert executable(x).tolist() == [0.0, 2.0, 4.0, 6.0]
+    table.strict = True
+    with pytest.raises(RuntimeError, match="strict"):
+        table.executable(("other",), program, (x,), {})
+
+
+def test_server_flags_set_or_turn_off_the_cache(tmp_path):
+    pytest.importorskip("fastapi")
+    from jpaged.serve.cli import parse_args
+
+    assert parse_args([]).compilation_cache_dir is None
+    assert parse_args(["--no-compilation-cache"]).compilation_cache_dir is False
+    assert parse_args(["--compilation-cache-dir", str(tmp_path)]).compilation_cache_dir == \
+        str(tmp_path)
