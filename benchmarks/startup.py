@@ -26,6 +26,10 @@ from pathlib import Path
 
 START = time.perf_counter()   # before jax and jpaged are imported: a worker's start
 ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, this file's folder heads sys.path, where benchmarks/kernels.py would shadow the
+# `kernels` package transformers probes for at import: the repository root stands there instead.
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "benchmarks":
+    sys.path[0] = str(ROOT)
 CASES = ("builtin", "hf", "serve_builtin", "serve_8b")
 PROMPT = "import os\n\n\ndef "
 PROGRESS = re.compile(r"compiled (\d+)/(\d+) programs \((\d+) from the compilation cache, "
