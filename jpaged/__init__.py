@@ -3,9 +3,9 @@
 from jpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
-from jpaged.request import CompletionOutput, RequestOutput
+from jpaged.request import CompletionOutput, Logprob, RequestOutput
 from jpaged.sampling import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "Logprob",
            "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

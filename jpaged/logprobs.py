@@ -41,20 +41,30 @@ class PositionRows:
                    padded(temperature, np.float32, 1.0))
 
 
-def given_token_logprobs(logits: jax.Array, rows: PositionRows, *,
-                         num_logprobs: int) -> SamplerOutput:
-    """log_softmax(logits / temperature) at each row's target, and the row's top L.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GivenTokenLogprobs(SamplerOutput):
+    """A SamplerOutput whose token_ids are the given targets, with ranks: [Q] int32 each
+    target's 1-based rank (1 + the tokens strictly more likely)."""
+    ranks: jax.Array
 
-    logits: [Q, V]. Returns a SamplerOutput whose token_ids are the targets.
+
+def given_token_logprobs(logits: jax.Array, rows: PositionRows, *,
+                         num_logprobs: int) -> GivenTokenLogprobs:
+    """log_softmax(logits / temperature) at each row's target, its rank, and the row's top L.
+
+    logits: [Q, V].
     """
     scaled = logits.astype(jnp.float32) / rows.temperature[:, None]         # [Q, V]
     log_normalizer = jax.nn.logsumexp(scaled, axis=-1)                       # [Q]
-    chosen = jnp.take_along_axis(scaled, rows.targets[:, None], axis=-1)[:, 0] - log_normalizer
+    target = jnp.take_along_axis(scaled, rows.targets[:, None], axis=-1)     # [Q, 1]
+    chosen = target[:, 0] - log_normalizer
+    ranks = 1 + jnp.sum(scaled > target, axis=-1, dtype=jnp.int32)
     if num_logprobs:
         top_logits, top_ids = jax.lax.top_k(scaled, num_logprobs)            # [Q, L]
     else:
         top_logits = jnp.zeros((scaled.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((scaled.shape[0], 0), jnp.int32)
-    return SamplerOutput(token_ids=rows.targets, logprobs=chosen,
-                         top_ids=top_ids.astype(jnp.int32),
-                         top_logprobs=top_logits - log_normalizer[:, None])
+    return GivenTokenLogprobs(token_ids=rows.targets, logprobs=chosen,
+                              top_ids=top_ids.astype(jnp.int32),
+                              top_logprobs=top_logits - log_normalizer[:, None], ranks=ranks)

@@ -115,11 +115,22 @@ class Request:
 
 class Samples(NamedTuple):
     """One sequence's tokens sampled in one step or loop, in order: token_ids [n], logprobs [n],
-    and the top alternatives top_ids, top_logprobs: [n, L] arrays (L = 0 when none asked)."""
+    and the top alternatives top_ids, top_logprobs: [n, L] arrays (L = 0 when none asked); for
+    scored prompt positions also ranks [n], each token's 1-based rank in its distribution."""
     token_ids: list[int]
     logprobs: list[float]
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    ranks: list[int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """vLLM's entry of `RequestOutput.prompt_logprobs`: a token's logprob, its 1-based rank in
+    the distribution (1: the most likely) and its text."""
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
 
 
 @dataclasses.dataclass
@@ -157,4 +168,4 @@ class RequestOutput:
     error: str | None = None  # why the engine failed this request (its finish_reason: "error")
     # params.prompt_logprobs set: one entry per prompt token, None for the first (and, for
     # `LLM.score`, for the given prompt), else {token id: logprob} with the token and the top k.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

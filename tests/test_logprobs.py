@@ -6,9 +6,10 @@ import functools
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 from fastapi.testclient import TestClient
 
-from jpaged import SamplingParams
+from jpaged import Logprob, SamplingParams
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.logprobs import PositionRows, given_token_logprobs
 from jpaged.serve import build_app, model_info
@@ -75,17 +76,23 @@ def run(engine, prompts, params):
 
 
 def check_prompt_logprobs(path, output, k):
-    """vLLM's layout: None, then per token {token: logprob} holding it and the top k, equal to
-    transformers'."""
+    """vLLM's layout: None, then per token {token: Logprob(logprob, rank, decoded_token)}
+    holding it and the top k, equal to transformers' (rank: 1 + the tokens more likely)."""
     prompt, entries = output.prompt_token_ids, output.prompt_logprobs
     assert len(entries) == len(prompt) and entries[0] is None
     table = hf_log_softmax(path, prompt)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     for position, (token, entry) in enumerate(zip(prompt[1:], entries[1:]), 1):
         row = table[position - 1]
         top = np.argsort(-row)[:k].tolist()
         assert list(entry)[:k] == top and set(entry) == set(top) | {token}
         for token_id, logprob in entry.items():
-            assert abs(logprob - row[token_id]) < TOLERANCE, (position, token_id)
+            assert isinstance(logprob, Logprob)
+            assert abs(logprob.logprob - row[token_id]) < TOLERANCE, (position, token_id)
+            # ties within the tolerance may order either way
+            assert 1 + np.sum(row > row[token_id] + TOLERANCE) <= logprob.rank \
+                <= 1 + np.sum(row > row[token_id] - TOLERANCE), (position, token_id)
+            assert logprob.decoded_token == tokenizer.decode([token_id], skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("cached", [True, False])

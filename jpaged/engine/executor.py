@@ -485,7 +485,8 @@ def _cut(out, count: int):
 
 def _samples(out, begin: int, end: int) -> Samples:
     return Samples(out.token_ids[begin:end].tolist(), out.logprobs[begin:end].tolist(),
-                   out.top_ids[begin:end], out.top_logprobs[begin:end])
+                   out.top_ids[begin:end], out.top_logprobs[begin:end],
+                   out.ranks[begin:end].tolist())
 
 
 def _scored_positions(rows):

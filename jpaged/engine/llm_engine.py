@@ -378,4 +378,4 @@ def completion_logprobs(output, num_tokens: int) -> np.ndarray:
     (`LLMEngine.add_score_requests`)."""
     start = len(output.prompt_token_ids) - num_tokens
     tokens, entries = output.prompt_token_ids[start:], output.prompt_logprobs[start:]
-    return np.array([entry[token] for token, entry in zip(tokens, entries)], np.float32)
+    return np.array([entry[token].logprob for token, entry in zip(tokens, entries)], np.float32)

@@ -9,7 +9,8 @@ born (`StepOutcome`), and the engine applies the block side (forks, frees) throu
 import dataclasses
 
 from jpaged.detokenizer import IncrementalDetokenizer
-from jpaged.request import CompletionOutput, Request, RequestOutput, Samples, Sequence
+from jpaged.request import (CompletionOutput, Logprob, Request, RequestOutput, Samples,
+                            Sequence)
 from jpaged.sampling import RequestOutputKind
 
 
@@ -28,6 +29,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, max_model_len: int):
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}
         self.max_model_len = max_model_len
         self.num_generated_tokens = 0
 
@@ -126,19 +128,31 @@ class OutputProcessor:
             if is_delta:
                 seq.unsent_text += rest
 
-    @staticmethod
-    def _append_prompt_logprobs(request: Request, first: int, samples: Samples):
-        """Entries for prompt tokens first + 1, ...: the token's logprob and the top k. A token
-        that already has one (a chunk run again after preemption) keeps it."""
+    def _append_prompt_logprobs(self, request: Request, first: int, samples: Samples):
+        """Entries for prompt tokens first + 1, ...: `Logprob`s of the token and the top k (ranks
+        1 .. k, the token's own from the device). A token that already has one (a chunk run
+        again after preemption) keeps it."""
         k, entries = request.params.prompt_logprobs, request.prompt_logprobs
         for offset, token in enumerate(samples.token_ids):
             index = first + 1 + offset
             entries.extend([None] * (index - len(entries)))
             if index == len(entries):
-                entry = dict(zip(samples.top_ids[offset, :k].tolist(),
-                                 samples.top_logprobs[offset, :k].tolist()))
-                entry[token] = samples.logprobs[offset]
+                top = zip(samples.top_ids[offset, :k].tolist(),
+                          samples.top_logprobs[offset, :k].tolist())
+                entry = {token_id: Logprob(logprob, rank, self._token_text(token_id))
+                         for rank, (token_id, logprob) in enumerate(top, 1)}
+                entry[token] = Logprob(samples.logprobs[offset], samples.ranks[offset],
+                                       self._token_text(token))
                 entries.append(entry)
+
+    def _token_text(self, token_id: int) -> str | None:
+        """One token's text (memoised: scoring asks for the same few tokens many times)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     @staticmethod
     def output(request: Request) -> RequestOutput:

@@ -516,17 +516,17 @@ class ReplyBuilder:
             offset += len(tokens[-1])
         entries = output.prompt_logprobs
         return {"tokens": tokens + logprobs["tokens"],
-                "token_logprobs": [None if e is None else e[t] for t, e in zip(
+                "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(
                     output.prompt_token_ids, entries)] + logprobs["token_logprobs"],
-                "top_logprobs": [None if e is None else {self._token_text(i): lp for i, lp in
-                                                         list(e.items())[:top]}
+                "top_logprobs": [None if e is None else {self._token_text(i): lp.logprob
+                                                         for i, lp in list(e.items())[:top]}
                                  for e in entries] + logprobs["top_logprobs"],
                 "text_offset": offsets + [prompt_chars + o for o in logprobs["text_offset"]]}
 
     def _with_prompt_logprobs(self, choice: dict, output: RequestOutput) -> dict:
         """vLLM's `prompt_logprobs` on a choice: per prompt token null (the first) or
-        {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k. rank is
-        1-based among the top k, null for a token outside them."""
+        {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k (1-based
+        ranks in the whole distribution)."""
         count = self.parsed.num_prompt_logprobs
         if count is None or output.prompt_logprobs is None:
             return choice
@@ -535,10 +535,8 @@ class ReplyBuilder:
             if entry is None:
                 listed.append(None)
                 continue
-            top = list(entry.items())[:count]
-            ranks = {token_id: rank for rank, (token_id, _) in enumerate(top, 1)}
-            shown = dict(top) | {token: entry[token]}
-            listed.append({str(i): {"logprob": lp, "rank": ranks.get(i),
+            shown = dict(list(entry.items())[:count]) | {token: entry[token]}
+            listed.append({str(i): {"logprob": lp.logprob, "rank": lp.rank,
                                     "decoded_token": self._token_text(i)}
                            for i, lp in shown.items()})
         return {**choice, "prompt_logprobs": listed}
