@@ -134,7 +134,7 @@ class Free(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls((-1,) * size) for size in (_row_cap(device),)]
+        return [cls((-1,) * _row_cap(device))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ class Trim(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls(((-1, 0),) * size) for size in bucket_sizes(4, _row_cap(device))]
+        return [cls(((-1, 0),) * _row_cap(device))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +170,7 @@ class Fork(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls(((-1, -1),) * size) for size in (_row_cap(device),)]
+        return [cls(((-1, -1),) * _row_cap(device))]
 
 
 class _ReferenceOp(BlockOp):
@@ -249,7 +249,7 @@ class Adopt(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls(((-1, (), 0),) * size) for size in (_row_cap(device),)]
+        return [cls(((-1, (), 0),) * _row_cap(device))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +288,7 @@ class Copy(BlockOp):
 
     @classmethod
     def padding(cls, device):
-        return [cls(((-1, -1),) * size) for size in (_row_cap(device),)]
+        return [cls(((-1, -1),) * _row_cap(device))]
 
 
 @dataclasses.dataclass(frozen=True)
