@@ -116,7 +116,7 @@ def jpaged_rollout(llm: LLM, prompts, shape: Shape, seed: int) -> tuple[dict, li
     logprobs = llm.score(repeated, completions)
     score = counters.done()
     # Decode steps feed each sample's tokens but its last; the rest of the model's tokens are
-    # prompt prefill.
+    # prompt prefill (and recomputation after a preemption, which the table's count shows).
     prefilled = generate["real_tokens"] - shape.num_samples * (shape.max_tokens - 1)
     return dict(
         generate_tokens_per_s=shape.num_samples * shape.max_tokens / generate["wall"],
@@ -125,7 +125,7 @@ def jpaged_rollout(llm: LLM, prompts, shape: Shape, seed: int) -> tuple[dict, li
         compile_seconds=generate["compile_seconds"] + score["compile_seconds"],
         prefill_saved=1 - prefilled / (shape.num_samples * shape.prompt_len),
         score_cache_share=score["hit_tokens"] / scored_tokens(shape),
-        hit_rate=llm.stats()["prefix_cache_hit_rate"]), (completions, logprobs)
+        preemptions=llm.stats()["num_preemptions"]), (completions, logprobs)
 
 
 def scored_tokens(shape: Shape) -> int:
@@ -229,7 +229,7 @@ def results_table(ours: dict, theirs: dict | None, shape: Shape) -> str:
              f"| {ours['generate_seconds']:.2f} | {ours['score_seconds']:.2f} | prompt prefill "
              f"saved while generating {ours['prefill_saved']:.1%}; scored tokens from the prefix "
              f"cache {ours['score_cache_share']:.1%}; compile {ours['compile_seconds']:.1f} s "
-             "subtracted |"]
+             f"subtracted; {ours['preemptions']} preemptions |"]
     if theirs is None:
         return "\n".join(lines) + "\n"
     capped = theirs["prompts_run"] < shape.prompts
