@@ -31,7 +31,6 @@ if "--jax-memory-fraction" in sys.argv:
 
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
-import itertools  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 
@@ -73,8 +72,7 @@ def build_llm(model, shape: Shape, args) -> LLM:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_scheduler_steps=args.num_scheduler_steps, enable_prefix_caching=True,
         warmup=False)
-    llm = object.__new__(LLM)
-    llm.engine, llm._ids = engine, itertools.count()
+    llm = LLM.from_engine(engine)
     return llm
 
 

@@ -24,8 +24,16 @@ class LLM:
 {options_doc()}"""
 
     def __init__(self, model=None, **options):
-        self.engine = LLMEngine.from_pretrained(model, **options)
         self._ids = itertools.count()
+        self.engine = LLMEngine.from_pretrained(model, **options)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """The offline API over an engine already built (e.g. `LLMEngine.from_model` on a model
+        in memory)."""
+        llm = cls.__new__(cls)
+        llm._ids, llm.engine = itertools.count(), engine
+        return llm
 
     def get_tokenizer(self):
         return self.engine.tokenizer
