@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import types
+import weakref
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -257,3 +259,26 @@ def test_update_behind_decode_loops_in_flight(dirs):
         finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
                          if o.finished})
     assert [finished[f"new{i}"] for i in range(len(PROMPTS))] == hf_greedy(dirs["b"])
+
+
+def test_replaced_parameters_are_freed_before_the_update_ends(hf_checkpoints):
+    """From host float32 tensors into a bfloat16 model: each new value equals the tensors cast
+    (on the device) and packed, and once every new value has been taken, while the update has
+    not yet finished, no old parameter is still held by it (device memory never holds the old
+    model and the new one whole)."""
+    model, _ = load_model(hf_checkpoints[BASE], dtype="bfloat16")
+    reference = tensors(hf_checkpoints[BASE])
+    model_def, leaves = split_model(model)
+    names = parameter_names(model_def.treedef)
+    old_refs = [weakref.ref(leaf) for leaf in leaves]
+    expected = {name: np.asarray(leaf) for name, leaf in zip(names, leaves)}
+    spec = types.SimpleNamespace(config=model.config, dtype=model.dtype, mesh=model.mesh)
+    values = new_parameters(spec, reference, dict(zip(names, leaves)))
+    del model, leaves
+    new = dict(next(values) for _ in names)
+    assert [ref for ref in old_refs if ref() is not None] == []
+    assert next(values, None) is None
+    assert set(new) == set(expected)
+    for name, value in new.items():
+        assert value.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(value), expected[name], err_msg=name)

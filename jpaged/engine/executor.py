@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import types
 
 import jax
 import numpy as np
@@ -433,11 +434,18 @@ class Executor:
         """{parameter name: its index in param_leaves}."""
         return {name: i for i, name in enumerate(parameter_names(self.model_def.treedef))}
 
+    @functools.cached_property
+    def model_spec(self) -> types.SimpleNamespace:
+        """The model's config, dtype and mesh: what `new_parameters` reads of it (merging the
+        model for each update would take milliseconds, and keeping one would keep its arrays)."""
+        model = self.model_def.merge(self.param_leaves)
+        return types.SimpleNamespace(config=model.config, dtype=model.dtype, mesh=model.mesh)
+
     def new_params(self, weights):
         """`weights.new_parameters` for this executor's model: every tensor checked now, then
         an iterator of (parameter name, new value) for `replace_params`."""
         current = {name: self.param_leaves[i] for name, i in self.param_index.items()}
-        return new_parameters(self.model_def.merge(self.param_leaves), weights, current)
+        return new_parameters(self.model_spec, weights, current)
 
     def checkpoint_weights(self) -> dict[str, jax.Array]:
         """{Hugging Face tensor name: array in the checkpoint layout} of the parameters."""

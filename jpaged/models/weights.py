@@ -11,14 +11,17 @@ Everything is checked before the first new value is made: a missing, extra, mis-
 non-floating tensor raises ValueError naming it, and nothing on the device has changed. Floating
 tensors of another precision are cast to the parameter's dtype, as the loader does.
 
-Host arrays are packed on the host and placed straight into their shards (one transfer per
-parameter). Jax arrays stay on the device: packed, transposed, cast and resharded there by one
-jitted program per parameter layout (never through the host; a parameter mixing host and jax
-parts takes that path too); the caller's arrays are not consumed.
+Host arrays are transferred as they are, each tensor in its own layout and dtype (no host
+copy, cast or packing), several in flight, then converted on the device like jax arrays. Jax
+arrays stay on the device: packed, transposed, cast and resharded there by one jitted program per
+parameter layout (never through the host); the caller's arrays are not consumed. A host tensor
+that already is its parameter (same layout and dtype) goes straight into its shards.
 """
 
+import collections
 import functools
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -27,8 +30,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jpaged.models import packing
-from jpaged.models.loader import (checkpoint_stream, checkpoint_tensors, parameter_targets,
-                                  place_parameter)
+from jpaged.models.loader import checkpoint_stream, checkpoint_tensors, parameter_targets
+
+# Host-to-device transfers in flight at once (threads), and how many parameters they may run
+# ahead of the one being converted: each one ahead is an extra parameter on the device.
+TRANSFER_THREADS = 4
+IN_FLIGHT = 2
 
 
 def parameter_names(treedef) -> list[str]:
@@ -53,20 +60,27 @@ def new_parameters(model, weights, current: dict[str, jax.Array]):
     """Checks `weights` against `model` (its config, dtype and mesh), then returns an iterator
     of (parameter name, new value), each value with the shape, dtype and sharding of
     `current[name]`, made one at a time (the caller can drop the old value before the next is
-    made, so device memory holds one extra parameter at most).
+    made, so device memory holds one extra parameter at most; from host arrays, plus the
+    transfers of up to IN_FLIGHT parameters ahead).
 
+    model: the model, or anything with its `config`, `dtype` and `mesh`.
     weights: a Mapping {Hugging Face tensor name: numpy or jax array} or a checkpoint
     directory (str or Path; safetensors or orbax, as `load_model` reads). Raises ValueError
     naming the first bad tensor, before anything is placed.
     """
-    targets = parameter_targets(model.config, model.dtype, model.mesh)
+    plan = _plan(model.config, model.dtype, model.mesh)
+    targets = plan.targets
     if isinstance(weights, (str, os.PathLike)):
         if not Path(weights).is_dir():
             raise ValueError(f"weights: checkpoint directory not found: {weights}")
         tensors = checkpoint_stream(targets, Path(weights), model.config)
     else:
         tensors = _checked_mapping(targets, weights, model.config)
-    return _placed(targets, tensors, current)
+    # Only the old values' shapes, dtypes and shardings from here on: holding the arrays
+    # would keep every replaced parameter alive until the last new one is made.
+    return _placed(plan, tensors, {name: jax.ShapeDtypeStruct(old.shape, old.dtype,
+                                                              sharding=old.sharding)
+                                   for name, old in current.items()})
 
 
 def _checked_mapping(targets, weights, config) -> list:
@@ -105,29 +119,85 @@ def _check_tensor(name: str, array, expected: jax.ShapeDtypeStruct):
                          f"point (the model's is {expected.dtype})")
 
 
-def _placed(targets, tensors, current: dict):
-    """(parameter name, value on the device) from checked (checkpoint name, array) pairs."""
-    for name, parts in targets.grouped(_casted(targets, tensors, current)):
-        packed, sharding = targets.params[name][2], current[name].sharding
-        if all(isinstance(part, np.ndarray) for part in parts):
-            array = parts[0] if packed is None else packed.pack(parts)
-            yield name, place_parameter(name, array, sharding)
-        else:
-            yield name, _device_program(packed, packing.is_transposed(name), current[name].dtype,
-                                        sharding)(*parts)
+def _placed(plan, tensors, current: dict):
+    """(parameter name, value on the device) from checked (checkpoint name, array) pairs.
 
-
-def _casted(targets, tensors, current: dict):
-    """Host arrays cast to their parameter's dtype; jax arrays moved onto the engine's devices
-    when they live elsewhere (they are cast with the transpose, on the device)."""
+    Each host tensor is transferred as it is (its own layout and dtype, one `device_put`), on
+    a few threads, so that several transfers are in flight while earlier parameters are
+    converted (on the H200, one pageable copy at a time ran at 6.6 GB/s, an eighth of a pinned
+    one's). The conversion (pack, transpose, cast, reshard) is the device path's program.
+    Transfers run at most IN_FLIGHT parameters ahead of the one yielded, so the device holds
+    that many extra parameters at most, beyond the one being replaced.
+    """
     home = _replicated(next(iter(current.values())).sharding)
-    for name, array in tensors:
-        if isinstance(array, np.ndarray):
-            yield name, array.astype(targets.shapes[name].dtype, copy=False)
-        elif array.sharding.device_set != home.device_set:
-            yield name, jax.device_put(array, home)
-        else:
-            yield name, array
+    with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+        ahead = collections.deque()   # (name, a future of each part on the device, is_placed)
+        for name, parts in plan.targets.grouped(tensors):
+            shardings, is_placed = plan.transfers(name, parts, current[name], home)
+            ahead.append((name, [_transfer(pool, part, sharding)
+                                 for part, sharding in zip(parts, shardings)], is_placed))
+            if len(ahead) > IN_FLIGHT:
+                yield plan.converted(*ahead.popleft(), current)
+        while ahead:
+            yield plan.converted(*ahead.popleft(), current)
+
+
+def _transfer(pool, array, sharding) -> Future:
+    """A future of `array` on `sharding`: a host array as it is (no host copy or cast); a jax
+    array moved only when it lives on other devices (it is cast with the transpose, on the
+    device), else at once as it is."""
+    if isinstance(array, np.ndarray) or array.sharding.device_set != sharding.device_set:
+        return pool.submit(jax.device_put, array, sharding)
+    done = Future()
+    done.set_result(array)
+    return done
+
+
+class _Plan:
+    """What converting a model's weights needs and keeps between updates: the loader's map
+    (`parameter_targets`, slow to build: it traces the model abstractly) and each parameter's
+    conversion program."""
+
+    def __init__(self, config, dtype, mesh):
+        self.targets = parameter_targets(config, dtype, mesh)
+        self.programs = {}   # (parameter name, dtype, sharding) -> jitted conversion
+
+    def transfers(self, name: str, parts, old, home) -> tuple[list, bool]:
+        """([where each part goes before its conversion], is_placed). A parameter that is its
+        one host part as it is (same layout and dtype: norms, embeddings) goes straight into
+        its shards, with no program (is_placed). Otherwise an unpacked part goes to the
+        parameter's shards (in the checkpoint layout when transposed), so no device receives
+        more than its shards; packed parts are split along their rows over every device (the
+        program regathers them over the devices' links rather than each device receiving
+        whole copies from the host)."""
+        packed, transposed = self.targets.params[name][2], packing.is_transposed(name)
+        if packed is None and not transposed and isinstance(parts[0], np.ndarray) \
+                and parts[0].dtype == old.dtype:
+            return [old.sharding], True
+        if packed is None:
+            return [_checkpoint_sharding(old.sharding, transposed)], False
+        return [_row_split(home, part.shape[0]) for part in parts], False
+
+    def converted(self, name: str, futures, is_placed: bool, current: dict):
+        """(name, the new value) once its parts are on the device."""
+        parts = [future.result() for future in futures]
+        if is_placed:
+            return name, parts[0]
+        return name, self.program(name, current[name])(*parts)
+
+    def program(self, name: str, old):
+        """The parameter's `_device_program`, found by name (a Packing is slow to hash)."""
+        key = (name, old.dtype, old.sharding)
+        if key not in self.programs:
+            self.programs[key] = _device_program(self.targets.params[name][2],
+                                                 packing.is_transposed(name), old.dtype,
+                                                 old.sharding)
+        return self.programs[key]
+
+
+@functools.lru_cache(maxsize=4)
+def _plan(config, dtype, mesh) -> _Plan:
+    return _Plan(config, jnp.dtype(dtype), mesh)
 
 
 def _replicated(sharding):
@@ -135,6 +205,22 @@ def _replicated(sharding):
     if isinstance(sharding, NamedSharding):
         return NamedSharding(sharding.mesh, PartitionSpec())
     return sharding
+
+
+def _checkpoint_sharding(sharding, transposed: bool):
+    """`sharding` of a parameter, for its tensor in the checkpoint layout."""
+    if not transposed or not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
+
+
+def _row_split(home, rows: int):
+    """`home`'s devices, each holding an equal block of rows (a whole copy each when the rows
+    do not divide)."""
+    if not isinstance(home, NamedSharding) or rows % home.mesh.size:
+        return home
+    return NamedSharding(home.mesh, PartitionSpec(home.mesh.axis_names))
 
 
 @functools.lru_cache(maxsize=None)
