@@ -29,10 +29,8 @@ if "--jax-memory-fraction" in sys.argv:
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = sys.argv[sys.argv.index(
         "--jax-memory-fraction") + 1]
 
-import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -102,18 +100,7 @@ def run_jpaged(model, trace, prompts, args, *, block_size, num_steps, keep_engin
 
 
 def header(args, bandwidth, flop_rate) -> list[str]:
-    import importlib.metadata as metadata
-    versions = {}
-    for package in ("torch", "transformers"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "absent"
-    return [
-        f"device: {jax.devices()[0].device_kind}, date {datetime.date.today()}, jax "
-        f"{jax.__version__}, torch {versions['torch']}, transformers {versions['transformers']}, "
-        f"python {platform.python_version()}",
-        "command: python benchmarks/e2e.py " + " ".join(sys.argv[1:]),
+    return hf_backends.run_lines("e2e.py") + [
         f"model {args.model}, random {args.dtype} weights (identical in both frameworks); KV "
         f"budget {args.budget_seqs} x {args.max_model_len} tokens for every backend; "
         "copy bandwidth " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in bandwidth.items())

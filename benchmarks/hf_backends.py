@@ -11,11 +11,33 @@
 EOS is disabled in both, as in jpaged's run (every request produces its drawn length).
 """
 
+import datetime
 import json
+import platform
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+
+def run_lines(script: str) -> list[str]:
+    """The device, date and versions of both frameworks, and the exact command: the first lines
+    of a results table that compares jpaged with transformers."""
+    import importlib.metadata as metadata
+
+    import jax
+
+    versions = {}
+    for package in ("torch", "transformers"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "absent"
+    return [f"device: {jax.devices()[0].device_kind}, date {datetime.date.today()}, jax "
+            f"{jax.__version__}, torch {versions['torch']}, transformers "
+            f"{versions['transformers']}, python {platform.python_version()}",
+            f"command: python benchmarks/{script} " + " ".join(sys.argv[1:])]
 
 
 def build_hf_model(config_path, jax_model, *, device, dtype_name="bfloat16"):

@@ -30,8 +30,6 @@ if "--jax-memory-fraction" in sys.argv:
         "--jax-memory-fraction") + 1]
 
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -202,18 +200,7 @@ def hf_rollout(model, prompts, completions, shape: Shape, args, device: str) -> 
 
 
 def header(args, shape: Shape) -> list[str]:
-    import importlib.metadata as metadata
-    versions = {}
-    for package in ("torch", "transformers"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "absent"
-    return [
-        f"device: {jax.devices()[0].device_kind}, date {datetime.date.today()}, jax "
-        f"{jax.__version__}, torch {versions['torch']}, transformers {versions['transformers']}, "
-        f"python {platform.python_version()}",
-        "command: python benchmarks/rollout.py " + " ".join(sys.argv[1:]),
+    return hf_backends.run_lines("rollout.py") + [
         f"model {args.model}, random {args.dtype} weights (identical in both frameworks); "
         f"{shape.prompts} prompts x {shape.prompt_len} tokens, n = {shape.n}, "
         f"{shape.max_tokens} output tokens each (EOS ignored), temperature 1",
