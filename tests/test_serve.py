@@ -673,6 +673,25 @@ def test_api_key_guards_v1_with_the_openai_client(keyed_url):
     assert httpx.get(f"{keyed_url}/metrics").status_code == 200
 
 
+def health_while_posting(url: str, *, timeout: float, polls: int | None = None,
+                         pause: float = 0.0, **post) -> tuple:
+    """POST /v1/completions (httpx keyword arguments `post`) and time GET /health again and
+    again while it is in flight: `polls` times, or until the reply comes (at most 2,000).
+    Returns (the reply, the /health latencies in seconds)."""
+    async def run():
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            reply = asyncio.ensure_future(http.post(f"{url}/v1/completions", **post))
+            latencies = []
+            while len(latencies) < (polls or 2000) and (polls or not reply.done()):
+                start = time.perf_counter()
+                assert (await http.get(f"{url}/health")).status_code == 200
+                latencies.append(time.perf_counter() - start)
+                await asyncio.sleep(pause)
+            return await reply, latencies
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 def test_a_10mb_body_is_a_413_while_health_stays_fast(keyed_url, declared):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
@@ -682,18 +701,9 @@ def test_a_10mb_body_is_a_413_while_health_stays_fast(keyed_url, declared):
         for start in range(0, len(body), 1 << 16):
             yield body[start:start + (1 << 16)]
 
-    async def run():
-        async with httpx.AsyncClient(timeout=30) as http:
-            post = asyncio.ensure_future(http.post(f"{keyed_url}/v1/completions", headers=headers,
-                                                   content=body if declared else chunks()))
-            latencies = []
-            for _ in range(20):   # bounded: /health while the big request is in flight
-                start = time.perf_counter()
-                assert (await http.get(f"{keyed_url}/health")).status_code == 200
-                latencies.append(time.perf_counter() - start)
-            return await post, latencies
-
-    reply, latencies = asyncio.run(run())
+    reply, latencies = health_while_posting(   # bounded: 20 polls while the body goes in
+        keyed_url, timeout=30, polls=20, headers=headers,
+        content=body if declared else chunks())
     assert _error(reply, 413)["code"] == "request_too_large"
     assert max(latencies) < 0.1, latencies
 
@@ -709,19 +719,8 @@ def test_health_stays_fast_while_a_request_with_the_most_stop_strings_runs(keyed
     body = dict(model="tiny", prompt="x = ", max_tokens=200, ignore_eos=True, stop=stops,
                 temperature=0)
 
-    async def run():
-        async with httpx.AsyncClient(timeout=60) as http:
-            post = asyncio.ensure_future(http.post(f"{keyed_url}/v1/completions",
-                                                   headers=headers, json=body))
-            latencies = []
-            while not post.done():
-                start = time.perf_counter()
-                assert (await http.get(f"{keyed_url}/health")).status_code == 200
-                latencies.append(time.perf_counter() - start)
-                await asyncio.sleep(0.01)
-            return await post, latencies
-
-    reply, latencies = asyncio.run(run())
+    reply, latencies = health_while_posting(keyed_url, timeout=60, pause=0.01,
+                                            headers=headers, json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 200
     assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
@@ -730,19 +729,9 @@ def test_health_stays_fast_while_a_request_with_the_most_stop_strings_runs(keyed
 def test_a_long_prompt_under_the_limit_does_not_block_health(keyed_url):
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
-    async def run():
-        async with httpx.AsyncClient(timeout=60) as http:
-            post = asyncio.ensure_future(http.post(
-                f"{keyed_url}/v1/completions", headers=headers,
-                json={"prompt": "def f(x):\n    return x\n" * 160_000}))   # 3.8 MB: ~2 s
-            latencies = []
-            while not post.done() and len(latencies) < 2000:
-                start = time.perf_counter()
-                assert (await http.get(f"{keyed_url}/health")).status_code == 200
-                latencies.append(time.perf_counter() - start)
-            return await post, latencies
-
-    reply, latencies = asyncio.run(run())
+    reply, latencies = health_while_posting(
+        keyed_url, timeout=60, headers=headers,
+        json={"prompt": "def f(x):\n    return x\n" * 160_000})   # 3.8 MB: ~2 s to tokenise
     assert _error(reply, 400)["code"] == "context_length_exceeded"
     # Tokenising on the event loop would hold /health up for the whole ~2 s; the slack over
     # the 10 ms it takes alone is for a 2-core machine shared with the engine and uvicorn.
