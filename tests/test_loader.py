@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jpaged.models import checkpoint_tensors, load_model, load_tokenizer
+from jpaged.models import checkpoint_tensors, load_model, load_tokenizer, packing
 
 
 @pytest.fixture
@@ -208,3 +208,22 @@ def test_multimodal_gemma3_reads_only_its_text_model(copy_checkpoint):
                   lambda t: t.update({stray: np.zeros(64, np.float32)}))
     with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj.bias"):
         load_model(directory)
+
+
+@pytest.mark.parametrize("packed", [
+    packing.qkv_packing(32, 8, 16, 1), packing.qkv_packing(8, 2, 16, 8),
+    packing.qkv_packing(32, 8, 16, 2, rotary_dim=8),        # many short runs: the gather path
+    packing.qkv_packing(8, 2, 16, 2, fused=True), packing.gate_up_packing(64, 4),
+    packing.gate_up_packing(66, 4)], ids=lambda p: f"{'+'.join(p.parts)}-{len(p.runs)}runs")
+def test_packing_by_slices_equals_the_row_map(packed):
+    """`Packing.pack` (slices of the parts, or a gather past MAX_RUNS runs) puts row
+    `rows[r]` of the stacked parts at row r, for numpy and jax parts, and unpack inverts it."""
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((rows, 3)).astype(np.float32) for rows in packed.part_rows]
+    expected = np.concatenate(parts)[np.asarray(packed.rows)]
+    np.testing.assert_array_equal(packed.pack(parts), expected)
+    np.testing.assert_array_equal(np.asarray(packed.pack([jnp.asarray(p) for p in parts])),
+                                  expected)
+    unpacked = packed.unpack(expected)
+    for name, part in zip(packed.parts, parts):
+        np.testing.assert_array_equal(unpacked[name], part)
