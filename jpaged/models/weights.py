@@ -32,10 +32,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jpaged.models import packing
 from jpaged.models.loader import checkpoint_stream, checkpoint_tensors, parameter_targets
 
-# Host-to-device transfers in flight at once (threads), and how many parameters they may run
-# ahead of the one being converted: each one ahead is an extra parameter on the device.
-TRANSFER_THREADS = 4
-IN_FLIGHT = 2
+# Host-to-device transfers in flight at once (threads), and how far (bytes of checkpoint
+# tensors) they may run ahead of the parameter being converted: what runs ahead is extra device
+# memory. On the H200, pageable transfers of an 8B model's tensors ran at 2.8 GB/s on one
+# thread and 30 GB/s on four to sixteen; two parameters ahead (about 0.3 GB) kept the pipe
+# half empty (14 GB/s).
+TRANSFER_THREADS = 8
+IN_FLIGHT_BYTES = 2 << 30
 
 
 def parameter_names(treedef) -> list[str]:
@@ -61,7 +64,7 @@ def new_parameters(model, weights, current: dict[str, jax.Array]):
     of (parameter name, new value), each value with the shape, dtype and sharding of
     `current[name]`, made one at a time (the caller can drop the old value before the next is
     made, so device memory holds one extra parameter at most; from host arrays, plus the
-    transfers of up to IN_FLIGHT parameters ahead).
+    transfers of up to IN_FLIGHT_BYTES ahead).
 
     model: the model, or anything with its `config`, `dtype` and `mesh`.
     weights: a Mapping {Hugging Face tensor name: numpy or jax array} or a checkpoint
@@ -123,23 +126,28 @@ def _placed(plan, tensors, current: dict):
     """(parameter name, value on the device) from checked (checkpoint name, array) pairs.
 
     Each host tensor is transferred as it is (its own layout and dtype, one `device_put`), on
-    a few threads, so that several transfers are in flight while earlier parameters are
-    converted (on the H200, one pageable copy at a time ran at 6.6 GB/s, an eighth of a pinned
-    one's). The conversion (pack, transpose, cast, reshard) is the device path's program.
-    Transfers run at most IN_FLIGHT parameters ahead of the one yielded, so the device holds
-    that many extra parameters at most, beyond the one being replaced.
+    TRANSFER_THREADS threads, so that many transfers are in flight while earlier parameters
+    are converted. The conversion (pack, transpose, cast, reshard) is the device path's
+    program. Host transfers run at most IN_FLIGHT_BYTES ahead of the parameter yielded (and at
+    least one parameter), so that much extra device memory at most is in use beyond the
+    parameter being replaced.
     """
     home = _replicated(next(iter(current.values())).sharding)
     with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-        ahead = collections.deque()   # (name, a future of each part on the device, is_placed)
+        ahead = collections.deque()   # (name, futures of its parts on the device, is_placed, bytes)
+        in_flight = 0
         for name, parts in plan.targets.grouped(tensors):
             shardings, is_placed = plan.transfers(name, parts, current[name], home)
+            size = sum(part.nbytes for part in parts if isinstance(part, np.ndarray))
+            while ahead and in_flight + size > IN_FLIGHT_BYTES:
+                *done, done_size = ahead.popleft()
+                in_flight -= done_size
+                yield plan.converted(*done, current)
             ahead.append((name, [_transfer(pool, part, sharding)
-                                 for part, sharding in zip(parts, shardings)], is_placed))
-            if len(ahead) > IN_FLIGHT:
-                yield plan.converted(*ahead.popleft(), current)
+                                 for part, sharding in zip(parts, shardings)], is_placed, size))
+            in_flight += size
         while ahead:
-            yield plan.converted(*ahead.popleft(), current)
+            yield plan.converted(*ahead.popleft()[:3], current)
 
 
 def _transfer(pool, array, sharding) -> Future:
