@@ -13,6 +13,7 @@ import pytest
 from jpaged import LLMEngine, SamplingParams
 from jpaged.blocks.ops import OPERATIONS
 from jpaged.engine import compile_cache, programs, warmup
+from jpaged.engine.executable_store import Store
 
 SMALL = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
              warmup=False, preemption_mode="recompute")
@@ -178,3 +179,45 @@ def test_server_flags_set_or_turn_off_the_cache(tmp_path):
     assert parse_args(["--no-compilation-cache"]).compilation_cache_dir is False
     assert parse_args(["--compilation-cache-dir", str(tmp_path)]).compilation_cache_dir == \
         str(tmp_path)
+
+
+def test_a_warm_start_takes_its_programs_from_the_store_without_lowering(tmp_path, cache_off,
+                                                                          monkeypatch):
+    """A second engine on the same directory (as a new process: nothing in memory) loads every
+    program from the store, lowers none, and generates the same tokens; a different model
+    (another config) finds nothing of the first's; a corrupt entry is dropped with a warning
+    and compiled again."""
+    directory = tmp_path / "cache"
+    forget_compiled()
+    cold = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
+    reference = generate(cold)
+    store = cold.executor.programs.store
+    stored = sorted(path for path in store.directory.iterdir() if not path.name.startswith("."))
+    assert len(stored) == cold.executor.programs.num_compiled > 0
+    lowered = []
+    original = jax.stages.Traced.lower
+    monkeypatch.setattr(jax.stages.Traced, "lower",
+                        lambda self, *a, **k: lowered.append(1) or original(self, *a, **k))
+    forget_compiled()
+    warm = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
+    assert generate(warm) == reference
+    programs = warm.executor.programs
+    assert programs.num_cache_hits == programs.num_compiled == len(stored) and not lowered
+
+    loaded = []
+    load = Store.load
+    monkeypatch.setattr(Store, "load", lambda self, key: loaded.append(load(self, key))
+                        or loaded[-1])
+    forget_compiled()
+    other = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory),
+                                      dtype="bfloat16", **SMALL)
+    generate(other)
+    assert loaded and all(entry is None for entry in loaded) and lowered
+
+    stored[0].write_bytes(b"\x00torn entry")
+    forget_compiled()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
+        assert generate(again) == reference
+    assert any("unreadable stored program" in str(w.message) for w in caught)

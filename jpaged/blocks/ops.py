@@ -304,9 +304,11 @@ class SwapOut(BlockOp):
 
     @classmethod
     def warm_up(cls, device):
-        """The swap store compiles its gathers and scatters (both directions) itself."""
+        """Queue the swap store's gathers and scatters (both directions) on the compile pool:
+        no request needs them before its first preemption."""
         if device.swap_store is not None:
-            device.cache = device.swap_store.warmup(device.cache)
+            for call in device.swap_store.warmup_calls(device.cache):
+                device.programs.submit(*call)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,9 @@ elsewhere the blocks go through numpy (`jax.device_get` / `jax.device_put`).
 
 Block counts are padded to power-of-two buckets (padding gathers the sink block and scatters
 nowhere) and split into chunks of at most `MAX_CHUNK_BLOCKS`, so the programs compile a bounded
-number of times, all of them at warm-up.
+number of times, all of them at warm-up: in the background (`warmup_calls`), through the
+engine's compiled programs when a `dispatch` is given (a start needs none of them before the
+first request; a swap that comes early waits for its program).
 """
 
 import time
@@ -50,7 +52,11 @@ class SwapStore:
     The scheduler owns the accounting (host block ids, capacity); this holds the data.
     """
 
-    def __init__(self, num_blocks: int, bytes_per_block: int, *, pinned: bool | None = None):
+    def __init__(self, num_blocks: int, bytes_per_block: int, *, pinned: bool | None = None,
+                 dispatch=None):
+        """dispatch(key, program, *args): runs a program through compiled executables by
+        shape key (`Executor.dispatch`); None calls the jitted programs directly."""
+        self.dispatch = dispatch or (lambda key, program, *args: program(*args))
         device = jax.devices()[0]
         kinds = {memory.kind for memory in device.addressable_memories()}
         self.pinned = ("pinned_host" in kinds) if pinned is None else pinned
@@ -72,7 +78,7 @@ class SwapStore:
             part = block_ids[start:start + self.sizes[-1]]
             ids = np.full(_padded(len(part), self.sizes), kv_cache.SINK_BLOCK, np.int32)
             ids[:len(part)] = part
-            k_blocks, v_blocks = self.gather_program(cache, ids)
+            k_blocks, v_blocks = self._gather(cache, ids)
             if not self.pinned:
                 k_blocks, v_blocks = jax.device_get((k_blocks, v_blocks))
             chunks.append((len(part), k_blocks, v_blocks))
@@ -87,7 +93,7 @@ class SwapStore:
             ids = np.full(k_blocks.shape[2], -1, np.int32)
             ids[:count] = block_ids[offset:offset + count]
             k_dev, v_dev = jax.device_put((k_blocks, v_blocks), self.device_sharding)
-            cache = scatter_program(cache, ids, k_dev, v_dev)
+            cache = self._scatter(cache, ids, k_dev, v_dev)
             offset += count
         self.bytes_in += len(block_ids) * self.bytes_per_block
         return cache
@@ -95,14 +101,26 @@ class SwapStore:
     def drop(self, handle: int):
         self.stored.pop(handle, None)
 
-    def warmup(self, cache):
-        """Compile the gather and scatter of every chunk size (padding only: nothing changes)."""
+    def _gather(self, cache, ids):
+        return self.dispatch(("swap_gather", ids.shape[0]), self.gather_program, cache, ids)
+
+    def _scatter(self, cache, ids, k_blocks, v_blocks):
+        return self.dispatch(("swap_scatter", ids.shape[0]), scatter_program, cache, ids,
+                             k_blocks, v_blocks)
+
+    def warmup_calls(self, cache) -> list[tuple]:
+        """[(key, program, args, static)]: the gather and scatter of every chunk size, for the
+        engine's compile pool (arguments as shapes: nothing runs)."""
+        calls = []
         for size in self.sizes:
-            ids = np.full(size, kv_cache.SINK_BLOCK, np.int32)
-            k_blocks, v_blocks = jax.device_put(self.gather_program(cache, ids),
-                                                self.device_sharding)
-            cache = scatter_program(cache, np.full(size, -1, np.int32), k_blocks, v_blocks)
-        return cache
+            ids = jax.ShapeDtypeStruct((size,), np.int32)
+            k_blocks, v_blocks = (
+                jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=self.device_sharding)
+                for out in jax.eval_shape(self.gather_program, cache, ids))
+            calls += [(("swap_gather", size), self.gather_program, (cache, ids), {}),
+                      (("swap_scatter", size), scatter_program, (cache, ids, k_blocks, v_blocks),
+                       {})]
+        return calls
 
     def measure(self, cache, num_blocks: int, repeats: int = 3):
         """(cache, seconds) of one swap-out plus swap-in of num_blocks blocks, best of repeats.
@@ -112,13 +130,13 @@ class SwapStore:
         nowhere = np.full(ids.shape[0], -1, np.int32)
         for _ in range(repeats):
             start = time.perf_counter()
-            k_blocks, v_blocks = self.gather_program(cache, ids)
+            k_blocks, v_blocks = self._gather(cache, ids)
             if not self.pinned:
                 k_blocks, v_blocks = jax.device_get((k_blocks, v_blocks))
             else:
                 jax.block_until_ready((k_blocks, v_blocks))
             k_dev, v_dev = jax.device_put((k_blocks, v_blocks), self.device_sharding)
-            cache = scatter_program(cache, nowhere, k_dev, v_dev)
+            cache = self._scatter(cache, nowhere, k_dev, v_dev)
             jax.block_until_ready(cache)
             best = min(best, time.perf_counter() - start)
         return cache, best

@@ -12,6 +12,7 @@ buffer (`pack`), sends it with one transfer, and the program unpacks it (`unpack
 
 import dataclasses
 import functools
+import hashlib
 import math
 
 import jax
@@ -161,6 +162,11 @@ class ModelDef:
     def __init__(self, graphdef, treedef):
         self.graphdef, self.treedef = graphdef, treedef
         self._hash = hash((graphdef, treedef))
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The structure as a digest that is the same in every process (stored programs' keys)."""
+        return hashlib.sha256(repr((self.graphdef, self.treedef)).encode()).hexdigest()
 
     def __hash__(self):
         return self._hash

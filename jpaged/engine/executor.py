@@ -31,6 +31,7 @@ from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, d
                                        fresh_result, pack, result_layout, split_model,
                                        step_program, unpack_host)
 from jpaged.engine import compile_cache, warmup
+from jpaged.engine.executable_store import Store
 from jpaged.engine.programs import Programs
 from jpaged.logprobs import PositionRows
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
@@ -77,8 +78,9 @@ class Executor:
     def __init__(self, model, config):
         model_config = model.config
         self.compilation_cache_dir = compile_cache.configure(config.compilation_cache_dir)
-        self.programs = Programs()
         self.model_def, self.param_leaves = split_model(model)
+        self.programs = Programs(None if self.compilation_cache_dir is None else Store(
+            self.compilation_cache_dir, repr((model_config, jax.numpy.dtype(model.dtype).name))))
         # Committed to their devices (no copy), as replacements (`replace_params`) will be: jit
         # keys its cache on commitment, so an update would otherwise compile every program again.
         self.param_leaves = [jax.device_put(leaf, leaf.sharding) for leaf in self.param_leaves]
@@ -107,7 +109,8 @@ class Executor:
             model_config.head_dim, config.block_size, config.kv_dtype)
         self.num_swap_blocks = (0 if config.preemption_mode == "recompute"
                                 else int(config.swap_space * 2**30 // self.bytes_per_block))
-        self.swap_store = (SwapStore(config.num_kv_blocks, self.bytes_per_block)
+        self.swap_store = (SwapStore(config.num_kv_blocks, self.bytes_per_block,
+                                     dispatch=self.dispatch)
                            if self.num_swap_blocks else None)
         self.swap_rates = None            # measured by measure_swap_rates
         self._fresh: dict = {}            # shape -> (fresh_result, control) on the device

@@ -66,6 +66,8 @@ def clear_shared():
 
 
 def _spec(value):
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return value
     if isinstance(value, jax.Array):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
     value = np.asarray(value)
@@ -82,9 +84,11 @@ class Programs:
     """An engine's compiled programs, by key (a tuple naming the program and its shape buckets).
 
     strict: a key not yet known is an error (set after warm-up by strict compilation).
+    store: an `executable_store.Store` consulted before lowering (None: always lower).
     """
 
-    def __init__(self):
+    def __init__(self, store=None):
+        self.store = store
         self._lock = threading.Lock()
         self._entries: dict[tuple, Future] = {}
         self.strict = False
@@ -149,7 +153,7 @@ class Programs:
             return shared.result()
         hits, start = getattr(_COMPILING, "hits", 0), time.perf_counter()
         try:
-            compiled = program.lower(*specs, **static).compile()
+            compiled, is_stored = self._lowered_or_stored(program, specs, static)
         except BaseException as err:
             with _SHARED_LOCK:
                 _SHARED.pop(signature, None)
@@ -158,6 +162,19 @@ class Programs:
         with self._lock:
             self.compile_seconds += time.perf_counter() - start
             self.num_compiled += 1
-            self.num_cache_hits += getattr(_COMPILING, "hits", 0) - hits
+            self.num_cache_hits += getattr(_COMPILING, "hits", 0) - hits + is_stored
         shared.set_result(compiled)
         return compiled
+
+    def _lowered_or_stored(self, program, specs: tuple, static: dict):
+        """(executable, came from the store): the store's entry, else lowered and compiled
+        (then stored)."""
+        if self.store is None:
+            return program.lower(*specs, **static).compile(), False
+        key = self.store.key(program, specs, static)
+        compiled = self.store.load(key)
+        if compiled is not None:
+            return compiled, True
+        compiled = program.lower(*specs, **static).compile()
+        self.store.save(key, compiled)
+        return compiled, False
