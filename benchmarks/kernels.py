@@ -307,6 +307,11 @@ def main():
         prefill_tilings = kernels_prefill.tilings_from_option(args.prefill_tilings)
     except ValueError as error:
         parser.error(str(error))
+    try:
+        prefill_cases = [kernels_prefill.PREFILL_CASES[int(i)]
+                         for i in args.prefill_cases.split(",")]
+    except (ValueError, IndexError):
+        parser.error(f"--prefill-cases: indices below {len(kernels_prefill.PREFILL_CASES)}")
     prefill_backends = (args.prefill_backends.split(",") if args.prefill_backends
                         else kernels_prefill.default_backends())
     deadline = time.time() + args.budget_seconds
@@ -343,9 +348,8 @@ def main():
         sections += ["## Cache write, one layer (K=8, D=128, bf16, 32768 blocks of 16)",
                      cache_write_rows()]
     if "prefill" in parts:
-        cases = [kernels_prefill.PREFILL_CASES[int(i)] for i in args.prefill_cases.split(",")]
         sections += kernels_prefill.prefill_sections(prefill_backends, prefill_tilings,
-                                                     deadline + 60, cases=cases)
+                                                     deadline + 60, cases=prefill_cases)
     text = "\n\n".join(sections)
     print(text)
     if args.out:

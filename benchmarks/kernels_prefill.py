@@ -94,14 +94,17 @@ def default_backends() -> list[str]:
 def resolve_kernels(names, *, interpret=False, head_dim=HEAD_DIM, dtype=DTYPE):
     """({name: kernel(*case args, **tiling)}, [skip reasons]) for --prefill-backends."""
     kernels, skipped = {}, []
-    platform_ok = interpret or jax.default_backend() == "gpu"
+    platform_ok = interpret or jax.default_backend() in ("gpu", "cuda", "rocm")
     for name in names:
         backend = "pallas_gpu" if name == "triton" else name
         if backend not in pk.BACKENDS:
             skipped.append(f"{name}: not a pallas_kernels backend ({', '.join(pk.BACKENDS)})")
             continue
-        reason = pk.unsupported_reason(backend, head_dim=head_dim, dtype=dtype,
-                                       block_size=BLOCK_SIZE)
+        try:
+            reason = pk.unsupported_reason(backend, head_dim=head_dim, dtype=dtype,
+                                           block_size=BLOCK_SIZE)
+        except Exception as error:  # noqa: BLE001 (a backend's own check failing: skip it)
+            reason = f"unsupported_reason raised {type(error).__name__}: {error}"
         if reason is None and backend != "reference" and not platform_ok:
             reason = f"needs a GPU, this is {jax.default_backend()}"
         if reason is not None:
@@ -257,8 +260,9 @@ def prefill_sections(backend_names, tilings, deadline, *, cases=PREFILL_CASES, l
     text = notes(skipped, rows)
     if not has_torch:
         text += f"\n- SDPA not run: {torch_version}"
+    with_torch = f"; torch {torch_version}" if has_torch else ""
     sections = [f"## Prefill (H={NUM_HEADS}, K={NUM_KV_HEADS}, D={HEAD_DIM}, bf16, "
-                f"S={BLOCK_SIZE}; torch {torch_version})", format_prefill(rows, list(kernels)),
+                f"S={BLOCK_SIZE}{with_torch})", format_prefill(rows, list(kernels)),
                 text]
     if tilings and "triton" in kernels:
         sections += ["## Triton prefill tilings (bq: block_q query tokens per tile, c: "
