@@ -115,7 +115,9 @@ def run_case(args, query_lens, context_lens, *, repeats=5):
         step = _step(torch, q, groups, kv_by_repeat[repeats_kv], masks, backend)
         try:
             out = step()
-        except RuntimeError as error:  # "No available kernel": this backend refuses the case
+            if on_cuda:
+                torch.cuda.synchronize()  # a kernel's own failure surfaces here, not later
+        except Exception as error:  # noqa: BLE001 ("No available kernel": this one refuses)
             failed.append(f"{label}: {(str(error).splitlines() or [''])[0][:100]}")
             continue
         seconds, method = _time(torch, step, on_cuda, repeats)

@@ -153,12 +153,12 @@ def torch_ttft(model, case: Case, vocab_size: int, repeats: int, batch_size: int
             torch_first_tokens(model, random_prompts(case, vocab_size, 10_000), batch_size,
                                device)
             break
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             if batch_size == 1:
                 raise
-            batch_size //= 2
-            gc.collect()
-            torch.cuda.empty_cache()
+        batch_size //= 2          # out of the except block: the failed forward's tensors are gone
+        gc.collect()
+        torch.cuda.empty_cache()
     runs, tokens = [], None
     for repeat in range(repeats):
         start = time.perf_counter()
