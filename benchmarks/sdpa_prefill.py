@@ -5,21 +5,25 @@ The copies come from the very pages the Pallas kernels read (a jnp gather per gr
 with one (query_len, context_len), handed to torch through DLPack before timing), so the outputs
 compare. Backends are tried in order, each alone under `torch.nn.attention.sdpa_kernel`: cuDNN
 with enable_gqa, cuDNN with K/V repeated per query head (copied before timing), flash,
-memory-efficient, math (only while its float32 scores [G, H, Q, C] stay under 8 GiB); the first
-that runs every group of the case is timed and named. Masks: none for a decode row, is_causal
-for a chunk without a cached prefix (torch's top-left causal is right there), else lower-right
-causal: an explicit boolean [Q, C] mask, or `causal_lower_right` for memory-efficient (its own
-mask type, no mask tensor read). Timed as torch_peers.py does: a CUDA graph of the step, replayed.
+memory-efficient (K/V repeated: it has no GQA), math (only while its float32 scores [G, H, Q, C]
+stay under 8 GiB); the first that runs every group of the case is timed and named. Masks: none
+for a decode row, is_causal for a chunk without a cached prefix (torch's top-left causal is right
+there), else lower-right causal: an explicit boolean [Q, C] mask for cuDNN and math,
+`causal_lower_right` for flash and memory-efficient (their own lower-right causal, no mask read).
+Timed as torch_peers.py does: a CUDA graph of the step, replayed.
 """
 
 from benchmarks import timing, torch_peers
 
-# (label, torch SDPBackend name, K/V repeated per query head)
-ATTEMPTS = (("cudnn", "CUDNN_ATTENTION", False),
-            ("cudnn, K/V repeated per query head", "CUDNN_ATTENTION", True),
-            ("flash", "FLASH_ATTENTION", False),
-            ("efficient", "EFFICIENT_ATTENTION", False),
-            ("math", "MATH", False))
+# (label, torch SDPBackend name, K/V repeated per query head, mask of a chunk after a prefix:
+# a boolean tensor, or torch's lower-right causal bias, which flash runs natively and
+# memory-efficient as its own mask type, with no mask tensor read)
+ATTEMPTS = (("cudnn", "CUDNN_ATTENTION", False, "tensor"),
+            ("cudnn, K/V repeated per query head", "CUDNN_ATTENTION", True, "tensor"),
+            ("flash", "FLASH_ATTENTION", False, "lower_right"),
+            ("efficient, K/V repeated per query head", "EFFICIENT_ATTENTION", True,
+             "lower_right"),
+            ("math", "MATH", False, "tensor"))
 MATH_MAX_SCORE_BYTES = 8 << 30
 
 
@@ -104,14 +108,14 @@ def run_case(args, query_lens, context_lens, *, repeats=5):
     groups = torch_peers.make_groups(query_lens, context_lens, device)
     group_size = q.shape[1] // args[1].shape[0]
     kv_by_repeat, failed = {}, []
-    for label, backend, repeat in ATTEMPTS:
+    for label, backend, repeat, mask_kind in ATTEMPTS:
         if backend == "MATH" and not _math_fits(groups, q.shape[1]):
             failed.append(f"{label}: scores would pass {MATH_MAX_SCORE_BYTES >> 30} GiB")
             continue
         repeats_kv = group_size if repeat else 1
         if repeats_kv not in kv_by_repeat:
             kv_by_repeat[repeats_kv] = _group_kv(torch, args, groups, repeats_kv)
-        masks = _masks(torch, groups, device, lower_right=backend == "EFFICIENT_ATTENTION")
+        masks = _masks(torch, groups, device, lower_right=mask_kind == "lower_right")
         step = _step(torch, q, groups, kv_by_repeat[repeats_kv], masks, backend)
         try:
             out = step()
