@@ -40,8 +40,10 @@ def run_lines(script: str) -> list[str]:
             f"command: python benchmarks/{script} " + " ".join(sys.argv[1:])]
 
 
-def build_hf_model(config_path, jax_model, *, device, dtype_name="bfloat16"):
-    """transformers' model of config_path holding exactly jax_model's parameters."""
+def build_hf_model(config_path, jax_model, *, device, dtype_name="bfloat16",
+                   attn_implementation=None):
+    """transformers' model of config_path holding exactly jax_model's parameters
+    (attn_implementation: e.g. "sdpa"; None: transformers' default)."""
     import torch
     import transformers
 
@@ -52,7 +54,8 @@ def build_hf_model(config_path, jax_model, *, device, dtype_name="bfloat16"):
     config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
     config.eos_token_id = None
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation)
     params = dict(model.named_parameters())
     copied = 0
     for name, array in checkpoint_tensors(jax_model).items():

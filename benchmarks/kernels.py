@@ -3,6 +3,7 @@
 Usage (on the GPU machine, from the repository root):
     PYTHONPATH=. python3 benchmarks/kernels.py --out /tmp/kernels.md [--budget-seconds 300]
         [--parts cases,decode,sweep,cudnn,torch,prefill,write] [--chain 16]
+        [--prefill-backends triton,mosaic_gpu] [--prefill-tilings sweep] [--prefill-cases 0,5]
 
 Method. Every timed function is jitted with CHAIN kernel calls inside (--chain; 16 hides the
 Python dispatch of small cases, 4 does not), each call's output feeding the next call's queries
@@ -14,6 +15,8 @@ contiguous cache, and torch SDPA on a contiguous cache and after a gather of our
 (`torch_peers.py`, CUDA-graphed). Cache writes: XLA's scatter against the Pallas kernel.
 Decode bytes = K and V bytes of the cached tokens actually read + q and out. Ceilings measured in
 the same run: a 2 GiB bf16 elementwise pass (bytes read + written) and an 8192^3 bf16 matmul.
+The prefill part (`kernels_prefill.py`) times each prefill kernel once per dispatch beside torch
+SDPA (cuDNN forced where it runs) on contiguous copies of the same pages, in causal TFLOP/s.
 """
 
 import argparse
@@ -28,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from benchmarks import torch_peers
+from benchmarks import kernels_prefill, timing, torch_peers
+from benchmarks.kernels_prefill import PREFILL_CASES
+from benchmarks.timing import or_error, us
 from pallas_kernels import reference
 from pallas_kernels._compat import bundled_gpu_paged_attention
 from pallas_kernels.gpu import cache_write
@@ -48,20 +53,8 @@ REFERENCE_MAX_TOKENS = 64 * 2048  # the jnp reference materializes [B, K, M*S, D
 
 def median_seconds(fn, arg_sets, min_seconds=0.02, repeats=5):
     """Median seconds per dispatch of fn over rotating arg sets (compiled and warmed first)."""
-    for args in arg_sets:
-        jax.block_until_ready(fn(*args))
-
-    def run(n):
-        start = time.perf_counter()
-        for i in range(n):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        return time.perf_counter() - start
-
-    n = 1
-    while run(n) < min_seconds and n < 4096:
-        n *= 2
-    return statistics.median(run(n) / n for _ in range(repeats))
+    return timing.median_dispatch_seconds(fn, arg_sets, wait=jax.block_until_ready,
+                                          min_seconds=min_seconds, repeats=repeats)
 
 
 def chained(kernel):
@@ -119,14 +112,14 @@ def decode_row(key, batch, context, block_size, ceiling, variants, with_peers):
                   "num_warps": 4, **overrides}
         name = "ours " + _tiling_name(tiling) if overrides else "ours"
         fn = chained(functools.partial(pk.paged_attention_decode_gpu, **tiling))
-        row[name] = _try(lambda: median_seconds(fn, arg_sets) / CHAIN)  # a tiling may not fit
+        row[name] = or_error(lambda: median_seconds(fn, arg_sets) / CHAIN)  # a tiling may not fit
         row.setdefault("tilings", {})[name] = tiling
     if with_peers:
         bundled = bundled_gpu_paged_attention()
         if bundled is not None:
-            row["jax bundled"] = _try(lambda: median_seconds(chained(bundled), arg_sets) / CHAIN)
+            row["jax bundled"] = or_error(lambda: median_seconds(chained(bundled), arg_sets) / CHAIN)
         if batch * context <= REFERENCE_MAX_TOKENS:
-            row["reference"] = _try(lambda: median_seconds(
+            row["reference"] = or_error(lambda: median_seconds(
                 chained(reference.paged_attention_decode), arg_sets[:1]) / CHAIN)
     row["bytes"] = num_bytes
     row["ceiling"] = ceiling
@@ -151,7 +144,7 @@ def format_sweep(rows):
         by_time = sorted(row["tilings"].items(), key=lambda item: _sort_key(row[item[0]]))
         for name, tiling in by_time:
             lines.append(f"| {row['B']} | {row['context']} | {_tiling_name(tiling)} "
-                         f"| {_us(row[name])} |")
+                         f"| {us(row[name])} |")
     return "\n".join(lines)
 
 
@@ -207,13 +200,6 @@ def _tiling_name(tiling):
     return "C{tokens_per_step}/sp{num_splits}/w{num_warps}/st{num_stages}".format(**tiling)
 
 
-def _try(fn):
-    try:
-        return fn()
-    except Exception as error:  # a peer failing (OOM, unsupported) must not stop the table
-        return f"error: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:80]}"
-
-
 def copy_bandwidth():
     x = jax.random.normal(jax.random.key(0), (2 ** 30,), jnp.bfloat16)  # 2 GiB
     seconds = median_seconds(jax.jit(lambda x: x + 1), [(x,)])
@@ -224,53 +210,6 @@ def matmul_rate():
     a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
     return 2 * 8192 ** 3 / median_seconds(jax.jit(jnp.dot), [(a, b)])
-
-
-def prefill_case(key, query_lens, context_lens, block_size=16):
-    """Random pool and one ragged batch; returns (problem args, causal attention FLOPs)."""
-    query_lens, context_lens = np.asarray(query_lens), np.asarray(context_lens)
-    blocks = -(-context_lens // block_size)
-    num_blocks = 1 + int(blocks.sum())
-    shape = (NUM_KV_HEADS, num_blocks, block_size, HEAD_DIM)
-    k_key, v_key, q_key = jax.random.split(key, 3)
-    tables = np.zeros((len(blocks), blocks.max()), np.int32)
-    physical = np.random.default_rng(0).permutation(np.arange(1, num_blocks))
-    for seq, offset in enumerate(np.concatenate([[0], np.cumsum(blocks)[:-1]])):
-        tables[seq, :blocks[seq]] = physical[offset:offset + blocks[seq]]
-    q = jax.random.normal(q_key, (int(query_lens.sum()), NUM_HEADS, HEAD_DIM), DTYPE)
-    args = (q, jax.random.normal(k_key, shape, DTYPE), jax.random.normal(v_key, shape, DTYPE),
-            jnp.asarray(tables), jnp.asarray(context_lens, jnp.int32),
-            jnp.asarray(np.concatenate([[0], np.cumsum(query_lens)]), jnp.int32))
-    prefix = context_lens - query_lens
-    visible = sum(int(q_len * p + q_len * (q_len + 1) // 2) for q_len, p in zip(query_lens, prefix))
-    return args, 4 * visible * NUM_HEADS * HEAD_DIM
-
-
-PREFILL_CASES = [("1 x 512, no prefix", [512], [512]),
-                 ("1 x 2048, no prefix", [2048], [2048]),
-                 ("4 x 512 after 1536 cached", [512] * 4, [2048] * 4),
-                 ("512 chunk + 64 decodes at 2048", [512] + [1] * 64, [512] + [2048] * 64)]
-# block_q is query tokens per tile; with G = 4 the default 16 tokens make 64-row matrices.
-PREFILL_VARIANTS = [dict(), dict(block_q=32, num_warps=8), dict(num_stages=3),
-                    dict(tokens_per_step=32, num_stages=3)]
-
-
-def prefill_rows(matmul_flops, deadline):
-    rows = []
-    for name, query_lens, context_lens in PREFILL_CASES:
-        if time.time() > deadline:
-            break
-        args, flops = prefill_case(jax.random.key(len(rows)), query_lens, context_lens)
-        row = {"case": name, "T": args[0].shape[0], "flops": flops, "matmul": matmul_flops}
-        for tiling in PREFILL_VARIANTS:
-            fn = jax.jit(functools.partial(pk.paged_attention_prefill_gpu, **tiling))
-            row[str(tiling)] = _try(lambda: median_seconds(fn, [args]))
-        if args[0].shape[0] <= 1024:
-            row["reference"] = _try(lambda: median_seconds(
-                jax.jit(reference.paged_attention_prefill), [args]))
-        rows.append(row)
-        del args
-    return rows
 
 
 def format_decode(rows, bandwidth):
@@ -285,26 +224,8 @@ def format_decode(rows, bandwidth):
             f"| {100 * gbps * 1e9 / bandwidth:.0f}% | {_tiling_name(row['tilings'][best])} "
             f"| {timings[best] * 1e6:.1f} "
             f"| {100 * row['bytes'] / timings[best] / bandwidth:.0f}% "
-            f"| {_us(row.get('jax bundled'))} | {_us(row.get('reference'))} |")
+            f"| {us(row.get('jax bundled'))} | {us(row.get('reference'))} |")
     return "\n".join(lines)
-
-
-def format_prefill(rows):
-    names = [str(t) for t in PREFILL_VARIANTS]
-    lines = ["| case | T | " + " | ".join(f"{n} us (TFLOP/s)" for n in names)
-             + " | reference us |", "|" + "---|" * (len(names) + 3)]
-    for row in rows:
-        cells = [f"{_us(row[n])} ({row['flops'] / row[n] / 1e12:.0f})"
-                 if isinstance(row[n], float) else str(row[n]) for n in names]
-        lines.append(f"| {row['case']} | {row['T']} | " + " | ".join(cells)
-                     + f" | {_us(row.get('reference'))} |")
-    return "\n".join(lines)
-
-
-def _us(value):
-    if value is None:
-        return "-"
-    return f"{value * 1e6:.1f}" if isinstance(value, float) else value
 
 
 def versions():
@@ -345,7 +266,7 @@ def cudnn_table(bandwidth, deadline):
         if time.time() > deadline:
             break
         fn, arg_sets = contiguous_setup(jax.random.key(7), batch, context)
-        seconds = _try(lambda: median_seconds(fn, arg_sets) / CHAIN)
+        seconds = or_error(lambda: median_seconds(fn, arg_sets) / CHAIN)
         num_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
         cells.append(f"| {batch} | {context} | " + (
             f"{seconds * 1e6:.1f} us, {100 * num_bytes / seconds / bandwidth:.0f}%"
@@ -365,11 +286,34 @@ def main():
     parser.add_argument("--parts", default="decode,cudnn,torch,prefill,write",
                         help=f"comma-separated subset of {PARTS}; cases: DECODE_CASES at the "
                              "default tiling; sweep: many tilings per decode case")
+    parser.add_argument("--prefill-backends", default=None,
+                        help="comma list of prefill kernels to time side by side: triton, or a "
+                             "pallas_kernels backend name (default: "
+                             f"{','.join(kernels_prefill.default_backends())}); one that cannot "
+                             "run here is skipped with its reason")
+    parser.add_argument("--prefill-tilings", default="",
+                        help="also time Triton prefill tilings per case and report the best: "
+                             "'sweep' (kernels_prefill.TILING_SWEEP) or a comma list like "
+                             "bq16/c64/w4/st3 (block_q, tokens_per_step, num_warps, num_stages)")
+    parser.add_argument("--prefill-cases", default=",".join(
+                            map(str, range(len(kernels_prefill.PREFILL_CASES)))),
+                        help="comma list of indices into kernels_prefill.PREFILL_CASES")
     args = parser.parse_args()
     CHAIN = args.chain
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    try:
+        prefill_tilings = kernels_prefill.tilings_from_option(args.prefill_tilings)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        prefill_cases = [kernels_prefill.PREFILL_CASES[int(i)]
+                         for i in args.prefill_cases.split(",")]
+    except (ValueError, IndexError):
+        parser.error(f"--prefill-cases: indices below {len(kernels_prefill.PREFILL_CASES)}")
+    prefill_backends = (args.prefill_backends.split(",") if args.prefill_backends
+                        else kernels_prefill.default_backends())
     deadline = time.time() + args.budget_seconds
     sections = [versions()]
     bandwidth, matmul_flops = copy_bandwidth(), matmul_rate()
@@ -404,8 +348,8 @@ def main():
         sections += ["## Cache write, one layer (K=8, D=128, bf16, 32768 blocks of 16)",
                      cache_write_rows()]
     if "prefill" in parts:
-        sections += ["## Prefill (H=32, K=8, D=128, bf16, S=16)",
-                     format_prefill(prefill_rows(matmul_flops, deadline + 60))]
+        sections += kernels_prefill.prefill_sections(prefill_backends, prefill_tilings,
+                                                     deadline + 60, cases=prefill_cases)
     text = "\n\n".join(sections)
     print(text)
     if args.out:

@@ -78,14 +78,16 @@ def gather_pages(pages, block_tables, context_len, heads):
     return gathered.flatten(2, 3)[:, :, :context_len]
 
 
-def attend_groups(q, groups, kv_of):
-    """q [T, H, D] -> [T, H, D]: each group's chunks attend to kv_of(group) = k, v [G, H', C, D]."""
+def attend_groups(q, groups, kv_of, attend=None):
+    """q [T, H, D] -> [T, H, D]: each group's chunks attend to kv_of(group) = k, v [G, H', C, D]
+    through attend(q [G, H, Q, D], k, v) (None: lower-right causal SDPA, `_causal_sdpa`)."""
+    attend = attend or _causal_sdpa
     out = None if len(groups) == 1 else q.new_empty(q.shape)
     for group in groups:
         k, v = kv_of(group)
         chunk = q if group.rows is None else q[group.rows]
         chunk = chunk.reshape(group.num_seqs, group.query_len, *q.shape[1:]).transpose(1, 2)
-        result = _causal_sdpa(chunk, k, v).transpose(1, 2).reshape(-1, *q.shape[1:])
+        result = attend(chunk, k, v).transpose(1, 2).reshape(-1, *q.shape[1:])
         if out is None:
             return result
         out[group.rows] = result
