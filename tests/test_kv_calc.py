@@ -79,3 +79,15 @@ def test_cli_bad_input_names_the_problem():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "kv_calc.py"), "--dtype", "int3"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "dtype" in out.stderr
+
+
+def test_activation_reserve_covers_a_step_of_scored_positions():
+    """A step scoring every token (prompt logprobs, `score`) has a row of logits per token, so
+    the reserve counts max(sequences, batched tokens) rows of float32 logits x 4."""
+    from jpaged.engine.builder import activation_reserve_bytes
+
+    config = ModelConfig.preset("llama3-8b")
+    few_seqs = activation_reserve_bytes(config, 2048, 64)
+    assert few_seqs == activation_reserve_bytes(config, 2048, 512)   # tokens decide
+    assert few_seqs - activation_reserve_bytes(config, 1024, 64) >= \
+        16 * 1024 * config.vocab_size

@@ -147,12 +147,14 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
 def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:
     """Peak bytes of one step's temporaries, an upper estimate in float32: per token the
     residual stream, q/k/v, attention output and the MLP's three intermediate-size tensors; per
-    sampled row the logits and the sampler's sort buffers (x4); plus fixed slack."""
+    row of logits the logits and the sampler's sort buffers (x4); plus fixed slack. Rows of
+    logits: a sampled row per sequence, or a scored position per token (prompt logprobs and
+    `score` take every prompt position of a step: the larger count)."""
     hidden, inter = model_config.hidden_size, model_config.intermediate_size
     qkv = (model_config.num_attention_heads + 2 * model_config.num_key_value_heads) * \
         model_config.head_dim
     per_token = 4 * (4 * hidden + 2 * qkv + 3 * inter)
-    logits = 4 * 4 * max_num_seqs * model_config.vocab_size
+    logits = 4 * 4 * max(max_num_seqs, max_num_batched_tokens) * model_config.vocab_size
     return max_num_batched_tokens * per_token + logits + ACTIVATION_SLACK_BYTES
 
 
