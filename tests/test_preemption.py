@@ -204,3 +204,26 @@ def test_random_arrivals_aborts_and_completions_leak_nothing(hf_checkpoints):
     stats = engine.stats()   # the examples together exercised every path
     assert stats["num_swapped_out_blocks"] > 0 and stats["num_recomputed_tokens"] > 0
     assert stats["prefix_cache_hit_rate"] > 0
+
+
+def test_swap_warm_up_covers_the_shapes_swaps_use():
+    """Every gather and scatter a swap dispatches has the key and argument shapes, dtypes and
+    shardings of one of `warmup_calls` (so strict compilation never meets a new swap shape)."""
+    from jpaged.engine.programs import argument_specs
+
+    cache = kv_cache.init_cache(2, 2, 40, 4, 8, np.float32)
+    seen = []
+
+    def dispatch(key, program, *args):
+        seen.append((key, program, argument_specs(args)))
+        return program(*args)
+
+    store = SwapStore(40, 1, dispatch=dispatch)
+    warm = {(key, program): argument_specs(args)
+            for key, program, args, _ in store.warmup_calls(cache)}
+    for handle, blocks in enumerate([[3], [5, 6, 7], list(range(1, 20))]):
+        store.swap_out(cache, handle, blocks)
+        cache = store.swap_in(cache, handle, blocks[::-1])
+    assert {key[0] for key, _, _ in seen} == {"swap_gather", "swap_scatter"}
+    for key, program, specs in seen:
+        assert warm[(key, program)] == specs, key

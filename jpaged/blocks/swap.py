@@ -114,9 +114,10 @@ class SwapStore:
         calls = []
         for size in self.sizes:
             ids = jax.ShapeDtypeStruct((size,), np.int32)
-            k_blocks, v_blocks = (
-                jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=self.device_sharding)
-                for out in jax.eval_shape(self.gather_program, cache, ids))
+            k_blocks, v_blocks = (   # [L, K, n, S, D] (`kv_cache.gather_blocks`), no tracing
+                jax.ShapeDtypeStruct((len(pages), pages[0].shape[0], size, *pages[0].shape[2:]),
+                                     pages[0].dtype, sharding=self.device_sharding)
+                for pages in (cache.k_pages, cache.v_pages))
             calls += [(("swap_gather", size), self.gather_program, (cache, ids), {}),
                       (("swap_scatter", size), scatter_program, (cache, ids, k_blocks, v_blocks),
                        {})]
