@@ -4,7 +4,9 @@
 Cases: builtin (`LLM()` on the built-in model, default options), hf (`LLM(path)` on a 2-layer
 Llama checkpoint written by transformers), serve_builtin (`python -m jpaged.serve`, what `make
 run` starts: ready = /health answers, first token = the README's curl with max_tokens 1) and
-serve_8b (the server on the Llama-3-8B shape with dummy weights). Prints a markdown table;
+serve_8b (the server on the Llama-3-8B shape with dummy weights), llm_8b (`LLM(path,
+load_format="dummy")` on that shape: the server's engine start without the HTTP server, for a
+machine without FastAPI). Prints a markdown table;
 `--out FILE` writes it with the device, date, versions and the command.
 
     python benchmarks/startup.py [--cases builtin,hf,serve_builtin] [--out FILE]
@@ -30,18 +32,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # `kernels` package transformers probes for at import: the repository root stands there instead.
 if sys.path and Path(sys.path[0]).resolve() == ROOT / "benchmarks":
     sys.path[0] = str(ROOT)
-CASES = ("builtin", "hf", "serve_builtin", "serve_8b")
+CASES = ("builtin", "hf", "serve_builtin", "serve_8b", "llm_8b")
 PROMPT = "import os\n\n\ndef "
 PROGRESS = re.compile(r"compiled (\d+)/(\d+) programs \((\d+) from the compilation cache, "
                       r"([\d.]+) s compiling")
 
 
 # ---- one measurement, in its own process --------------------------------------------------------
-def run_llm(model: str | None, cache_dir: str) -> dict:
-    """LLM(model) with default options: seconds to ready and to the first token."""
+def run_llm(model: str | None, cache_dir: str, **options) -> dict:
+    """LLM(model, **options), otherwise default options: seconds to ready and to the first
+    token."""
     import jpaged
 
-    llm = jpaged.LLM(model, compilation_cache_dir=cache_dir)
+    llm = jpaged.LLM(model, compilation_cache_dir=cache_dir, **options)
     ready = time.perf_counter() - START
     began = time.perf_counter()
     llm.generate([PROMPT], jpaged.SamplingParams(max_tokens=1, temperature=0.7),
@@ -112,6 +115,8 @@ def worker(case: str, cache_dir: str, model_dir: str, timeout: float) -> dict:
         return run_llm(None, cache_dir)
     if case == "hf":
         return run_llm(model_dir, cache_dir)
+    if case == "llm_8b":
+        return run_llm(model_dir, cache_dir, load_format="dummy")
     if case == "serve_builtin":
         return run_server([], cache_dir, timeout)
     return run_server(["--model", model_dir, "--load-format", "dummy"], cache_dir, timeout)
@@ -136,7 +141,7 @@ def write_hf_checkpoint(directory: Path) -> str:
 def model_dir_for(case: str, scratch: Path) -> str:
     if case == "hf":
         return write_hf_checkpoint(scratch / "hf_llama_2_layers")
-    if case == "serve_8b":
+    if case in ("serve_8b", "llm_8b"):
         sys.path.insert(0, str(ROOT))
         from benchmarks.serve_bench import write_model_dir
 
