@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._compat import mosaic_gpu_interpret, pl, plmgpu
+from pallas_kernels._compat import mosaic_gpu_interpret, mosaic_gpu_problem, pl, plmgpu
 from pallas_kernels._ragged import sequence_tiles
 from pallas_kernels._validate import check_options, check_prefill_args, raise_if
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LOG2E = math.log2(math.e)
 _SWIZZLE_BYTES = 128
+_SMEM_BYTES = 227 * 1024  # shared memory one Hopper CTA may hold (H100 / H200)
 
 
 def unsupported_reason(*, head_dim, dtype=None, block_size=None):
@@ -255,6 +256,11 @@ def _check_tiling(q, k_pages, block_q, block_kv, num_stages):
                          f"got {block_kv}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    smem_bytes = (block_q * group + 2 * num_stages * block_kv) * head_dim * q.dtype.itemsize
+    if smem_bytes > _SMEM_BYTES:
+        raise ValueError(f"q tile + K/V ring take {smem_bytes} bytes of shared memory, more than "
+                         f"{_SMEM_BYTES}: lower num_stages ({num_stages}), block_kv ({block_kv}) "
+                         f"or block_q ({block_q})")
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -278,6 +284,7 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     """
     check_prefill_args(q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
     check_options(sliding_window, logits_soft_cap)
+    raise_if(mosaic_gpu_problem())
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
