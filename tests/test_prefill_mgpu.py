@@ -79,11 +79,17 @@ def test_window_and_soft_cap_skip_old_blocks():
           hide_old_blocks=True)
 
 
-def test_tiling_knobs_and_unread_table_entries():
+# The two schedules besides the default (warp-specialized, two compute warpgroups).
+SCHEDULES = {"one-wg": dict(warp_specialized=False, compute_wgs=1),
+             "producer-one-wg": dict(warp_specialized=True, compute_wgs=1)}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedules_tiling_knobs_and_unread_table_entries(schedule):
     """Small tiles, 64-key steps of two 32-token pages, a 3-deep ring; table entries past each
     sequence's last block point far outside the pool and must not be read."""
     problem = testing.poison_unused_table_entries(prefill("mqa", 64, 32, seed=2))
-    check(problem, block_q=16, block_kv=64, num_stages=3)
+    check(problem, block_q=16, block_kv=64, num_stages=3, **SCHEDULES[schedule])
 
 
 def test_decode_batch_and_dispatch():
@@ -98,7 +104,8 @@ def test_decode_batch_and_dispatch():
 @pytest.mark.parametrize("change,message", [
     (dict(head_dim=96), "head_dim"), (dict(dtype=jnp.float32), "dtype"),
     (dict(block_q=3), "block_q"), (dict(block_kv=48), "block_kv"),
-    (dict(num_stages=0), "num_stages"), (dict(num_stages=7, block_kv=128), "shared memory")])
+    (dict(num_stages=0), "num_stages"), (dict(num_stages=7, block_kv=128), "shared memory"),
+    (dict(compute_wgs=2, warp_specialized=False), "compute_wgs")])
 def test_unsupported_shapes_and_tilings_raise(change, message):
     """Refused with a ValueError naming the argument; `unsupported_reason` gives the same words."""
     shape = dict(head_dim=64, dtype=BF16)
@@ -114,15 +121,19 @@ def test_unsupported_shapes_and_tilings_raise(change, message):
 
 
 def test_default_block_q_fills_wgmma_rows():
-    """block_q * G: the fewest rows that are a multiple of 64 (wgmma) and reach the target
-    (128, or 64 at D = 256), for any group size; e.g. G = 3 needs 192."""
-    assert prefill_mgpu.default_block_q(3, 128) * 3 == 192
+    """block_q * G: the fewest rows that split into 64-row multiples per compute warpgroup and
+    reach the target (128 rows per warpgroup alone, 64 each for two or at D = 256), for any group
+    size; e.g. G = 3 with two warpgroups needs 384."""
+    assert prefill_mgpu.default_block_q(3, 128, compute_wgs=2) * 3 == 384
+    assert [prefill_mgpu.default_compute_wgs(g) for g in (1, 3, 8, 12, 256)] == [2, 1, 2, 1, 2]
     for group in (1, 2, 3, 4, 6, 8, 16, 32, 64, 128):
         for head_dim in (64, 128, 256):
-            target = 64 if head_dim > 128 else 128
-            rows = prefill_mgpu.default_block_q(group, head_dim) * group
-            step = math.lcm(group, 64)  # the rows one more token per tile may add
-            assert rows % step == 0 and rows >= target and rows - step < target
+            for compute_wgs in (1, 2):
+                per_wg = 64 if head_dim > 128 or compute_wgs > 1 else 128
+                target = per_wg * compute_wgs
+                rows = prefill_mgpu.default_block_q(group, head_dim, compute_wgs) * group
+                step = math.lcm(group, 64 * compute_wgs)  # rows one more token per tile may add
+                assert rows % step == 0 and rows >= target and rows - step < target
 
 
 # --- lowering for CUDA on any machine ------------------------------------------------------
@@ -131,24 +142,28 @@ def test_default_block_q_fills_wgmma_rows():
 @pytest.mark.parametrize("heads,head_dim,block_size,options", [
     ("gqa", 128, 16, {}), ("mha", 64, 64, dict(block_kv=64, num_stages=3)),
     ("gqa", 256, 16, dict(sliding_window=700, logits_soft_cap=50.0)),
-    ("g3", 128, 128, dict(block_kv=128)), ("mqa", 64, 16, dict(block_kv=64, num_stages=4))])
+    ("g3", 128, 128, dict(block_kv=128)), ("mqa", 64, 16, dict(block_kv=64, num_stages=4)),
+    ("gqa", 128, 32, SCHEDULES["one-wg"]), ("mha", 256, 16, SCHEDULES["producer-one-wg"])])
 def test_lowers_for_cuda(heads, head_dim, block_size, options):
     """Lowering runs Mosaic GPU's layout inference and emits the wgmma/TMA module without a GPU:
-    one Mosaic GPU call per prefill, holding wgmma and TMA instructions."""
+    one Mosaic GPU call per prefill, holding wgmma and TMA instructions (and register
+    reallocation between the warpgroups when warp-specialized)."""
     problem = prefill(heads, head_dim, block_size)
     lowered = jax.jit(functools.partial(kernel, **options)).trace(*problem.prefill_args)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+    assert ("setmaxnreg" in text) == options.get("warp_specialized", True)
 
 
 # --- compiled on a Hopper GPU only: realistic shapes ---------------------------------------
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("schedule", ["default", *SCHEDULES])
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
-@pytest.mark.parametrize("block_kv,num_stages", [(64, 2), (128, 2), (128, 4)])
-def test_llama_chunks_with_prefix_and_decodes(block_size, block_kv, num_stages):
+@pytest.mark.parametrize("block_kv,num_stages", [(64, 2), (128, 2), (128, 3)])
+def test_llama_chunks_with_prefix_and_decodes(schedule, block_size, block_kv, num_stages):
     """Llama-3-8B heads (32 query, 8 kv, D=128), bf16: two 512-token chunks after 600- and
     0-token prefixes, a 77-token prompt and 30 decode rows, then padding rows."""
     if block_kv % block_size:
@@ -159,7 +174,7 @@ def test_llama_chunks_with_prefix_and_decodes(block_size, block_kv, num_stages):
     problem = make_problem(6, num_heads=32, num_kv_heads=8, head_dim=128, block_size=block_size,
                            dtype=jnp.bfloat16, context_lens=context_lens, query_lens=query_lens,
                            padding_rows=10)
-    check(problem, block_kv=block_kv, num_stages=num_stages)
+    check(problem, block_kv=block_kv, num_stages=num_stages, **SCHEDULES.get(schedule, {}))
 
 
 @pytest.mark.gpu
@@ -182,10 +197,11 @@ def test_heads_windows_and_caps(num_heads, num_kv_heads, head_dim, dtype, slidin
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("block_q", [None, 8, 32])
-def test_long_prompt_equals_triton_kernel(block_q):
+@pytest.mark.parametrize("schedule", ["default", *SCHEDULES])
+@pytest.mark.parametrize("block_q", [None, 32])
+def test_long_prompt_equals_triton_kernel(schedule, block_q):
     """One 4096-token prompt (Llama heads, bf16): the Mosaic GPU and Triton kernels agree."""
     problem = make_problem(11, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
                            dtype=jnp.bfloat16, context_lens=[4096], query_lens=[4096])
-    out = check(problem, block_q=block_q)
+    out = check(problem, block_q=block_q, **SCHEDULES.get(schedule, {}))
     assert_matches(out, pk.paged_attention_prefill_gpu(*problem.prefill_args))
