@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from pallas_kernels._compat import mosaic_gpu_interpret, mosaic_gpu_problem, pl, plmgpu
 from pallas_kernels._ragged import sequence_tiles
-from pallas_kernels.gpu import prefill_mgpu_body as body_module
 from pallas_kernels._validate import check_options, check_prefill_args, raise_if
+from pallas_kernels.gpu import prefill_mgpu_body as body_module
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SWIZZLE_BYTES = 128
