@@ -1,4 +1,5 @@
-"""Paged-attention kernels: the plain-jnp reference (the oracle) and Pallas GPU (Triton, Mosaic GPU) / TPU kernels.
+"""Paged-attention kernels: the plain-jnp reference (the oracle), Pallas GPU (Triton; a Mosaic GPU
+prefill for Hopper) and TPU kernels.
 
 This package imports only jax and numpy; every setting arrives as an argument. Page layout, shared
 by every function here: `k_pages, v_pages: [K, N, S, D]` per layer (kv-head-major, so one head's
@@ -30,13 +31,15 @@ from pallas_kernels.tpu.prefill import paged_attention_prefill as paged_attentio
 BACKENDS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
 GPU_BACKENDS = ("pallas_gpu", "pallas_mosaic_gpu")  # share the Triton decode and cache writes
 
-_DECODE = {"pallas_gpu": paged_attention_decode_gpu, "pallas_mosaic_gpu": paged_attention_decode_gpu,
+_DECODE = {"pallas_gpu": paged_attention_decode_gpu,
+           "pallas_mosaic_gpu": paged_attention_decode_gpu,
            "pallas_tpu": paged_attention_decode_tpu}
 _PREFILL = {"pallas_gpu": paged_attention_prefill_gpu,
             "pallas_mosaic_gpu": paged_attention_prefill_mosaic_gpu,
             "pallas_tpu": paged_attention_prefill_tpu}
 
-__all__ = ["BACKENDS", "GPU_BACKENDS", "check_page_layout", "dense_causal_attention", "paged_attention_decode",
+__all__ = ["BACKENDS", "GPU_BACKENDS", "check_page_layout", "dense_causal_attention",
+           "paged_attention_decode",
            "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
            "paged_attention_prefill_gpu", "paged_attention_prefill_mosaic_gpu",
            "paged_attention_prefill_tpu", "reference",

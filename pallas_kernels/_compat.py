@@ -61,7 +61,7 @@ def mosaic_gpu_interpret(interpret):
 
 
 def mosaic_gpu_problem():
-    """None if this jax can build the Mosaic GPU kernels, else why not (for `unsupported_reason`)."""
+    """None if this jax can build the Mosaic GPU kernels, else why not (`unsupported_reason`)."""
     if plmgpu is None:
         return "this jax build has no Pallas Mosaic GPU backend"
     if JAX_VERSION < MOSAIC_GPU_MIN_JAX:

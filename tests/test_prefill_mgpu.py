@@ -143,7 +143,8 @@ def test_default_block_q_fills_wgmma_rows():
     ("gqa", 128, 16, {}), ("mha", 64, 64, dict(block_kv=64, num_stages=3)),
     ("gqa", 256, 16, dict(sliding_window=700, logits_soft_cap=50.0)),
     ("g3", 128, 128, dict(block_kv=128)), ("mqa", 64, 16, dict(block_kv=64, num_stages=4)),
-    ("gqa", 128, 32, SCHEDULES["one-wg"]), ("mha", 256, 16, SCHEDULES["producer-one-wg"])])
+    ("gqa", 128, 32, SCHEDULES["one-wg"]), ("mha", 256, 16, SCHEDULES["producer-one-wg"]),
+    ("gqa", 192, 16, dict(logits_soft_cap=30.0))])
 def test_lowers_for_cuda(heads, head_dim, block_size, options):
     """Lowering runs Mosaic GPU's layout inference and emits the wgmma/TMA module without a GPU:
     one Mosaic GPU call per prefill, holding wgmma and TMA instructions (and register
@@ -181,9 +182,11 @@ def test_llama_chunks_with_prefix_and_decodes(schedule, block_size, block_kv, nu
 @needs_gpu
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,sliding_window,cap", [
     (16, 8, 256, BF16, 700, 50.0), (32, 32, 64, F16, None, None), (32, 4, 128, BF16, 333, None),
-    (12, 4, 64, BF16, None, 30.0), (64, 1, 128, F16, None, None), (16, 16, 256, BF16, None, None)])
+    (12, 4, 64, BF16, None, 30.0), (64, 1, 128, F16, None, None), (16, 16, 256, BF16, None, None),
+    (8, 2, 192, BF16, 1000, None)])
 def test_heads_windows_and_caps(num_heads, num_kv_heads, head_dim, dtype, sliding_window, cap):
-    """Gemma-2-like (D=256, window 700, soft cap 50), MHA, GQA 8 and 3, MQA of 64 heads, fp16:
+    """Gemma-2-like (D=256, window 700, soft cap 50), MHA, GQA 8 and 3, MQA of 64 heads, fp16,
+    D=192:
     a 512-token chunk after a 1000-token prefix, a 300-token prompt, 30 decode rows."""
     rng = np.random.default_rng(head_dim + num_heads)
     query_lens = [512, 300] + [1] * 30

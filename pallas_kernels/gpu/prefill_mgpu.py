@@ -1,4 +1,4 @@
-"""Hopper ragged prefill/chunk attention (Pallas Mosaic GPU): wgmma tiles fed by TMA copies of pages.
+"""Hopper ragged prefill/chunk attention (Pallas Mosaic GPU): wgmma tiles fed by TMA page copies.
 
 Same contract as the Triton kernel in `pallas_kernels.gpu.prefill` and the reference
 `pallas_kernels.reference.paged_attention_prefill`. Layout of the work:
@@ -148,11 +148,11 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
 
     Static tiling: block_q (query tokens per tile; block_q * G must split into compute_wgs
     multiples of 64 rows; None: `default_block_q`), block_kv (keys per step, a multiple of 64 and
-    of S; None: 128, or 64 for D = 256), num_stages (depth of the shared-memory K/V ring),
-    warp_specialized (a producer warpgroup issues the copies; False: the one compute warpgroup
-    does, between its steps), compute_wgs (compute warpgroups, 1 or 2; 2 only warp-specialized:
-    each takes half the tile's rows; None: `default_compute_wgs`). interpret=True runs Mosaic GPU's own interpreter (jax 0.11+,
-    CPU tests).
+    of S; None: 128, or 64 for D > 128; at least S), num_stages (depth of the shared-memory
+    K/V ring), warp_specialized (a producer warpgroup issues the copies; False: the one compute
+    warpgroup does, between its steps), compute_wgs (compute warpgroups, 1 or 2; 2 only
+    warp-specialized: each takes half the tile's rows; None: `default_compute_wgs`).
+    interpret=True runs Mosaic GPU's own interpreter (jax 0.11+, CPU tests).
     """
     check_prefill_args(q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
     check_options(sliding_window, logits_soft_cap)
