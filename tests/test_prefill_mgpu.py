@@ -79,17 +79,26 @@ def test_window_and_soft_cap_skip_old_blocks():
           hide_old_blocks=True)
 
 
-# The two schedules besides the default (warp-specialized, two compute warpgroups).
-SCHEDULES = {"one-wg": dict(warp_specialized=False, compute_wgs=1),
-             "producer-one-wg": dict(warp_specialized=True, compute_wgs=1)}
+# The experimental warp-specialized schedules: lowered here, not run (they hang in the
+# interpreter once a walk is longer than the ring; see the kernel's docstring).
+SPECIALIZED = {"producer-two-wgs": dict(warp_specialized=True, compute_wgs=2),
+               "producer-one-wg": dict(warp_specialized=True, compute_wgs=1)}
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_schedules_tiling_knobs_and_unread_table_entries(schedule):
+def test_tiling_knobs_and_unread_table_entries():
     """Small tiles, 64-key steps of two 32-token pages, a 3-deep ring; table entries past each
     sequence's last block point far outside the pool and must not be read."""
     problem = testing.poison_unused_table_entries(prefill("mqa", 64, 32, seed=2))
-    check(problem, block_q=16, block_kv=64, num_stages=3, **SCHEDULES[schedule])
+    check(problem, block_q=16, block_kv=64, num_stages=3)
+
+
+@pytest.mark.parametrize("num_stages,sliding_window", [(1, None), (2, 70)])
+def test_walks_longer_than_the_ring(num_stages, sliding_window):
+    """Up to 5 steps of 64 keys through 1 or 2 stages: every stage is refilled, some twice."""
+    problem = make_problem(3, num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
+                           dtype=BF16, context_lens=[300, 200, 1, 130],
+                           query_lens=[40, 200, 1, 3], padding_rows=2)
+    check(problem, sliding_window=sliding_window, block_kv=64, num_stages=num_stages)
 
 
 def test_decode_batch_float16_and_dispatch():
@@ -125,7 +134,9 @@ def test_default_block_q_fills_wgmma_rows():
     reach the target (128 rows per warpgroup alone, 64 each for two or at D = 256), for any group
     size; e.g. G = 3 with two warpgroups needs 384."""
     assert prefill_mgpu.default_block_q(3, 128, compute_wgs=2) * 3 == 384
-    assert [prefill_mgpu.default_compute_wgs(g) for g in (1, 3, 8, 12, 256)] == [2, 1, 2, 1, 2]
+    assert [prefill_mgpu.default_compute_wgs(g, warp_specialized=True)
+            for g in (1, 3, 8, 12, 256)] == [2, 1, 2, 1, 2]
+    assert prefill_mgpu.default_compute_wgs(8) == 1
     for group in (1, 2, 3, 4, 6, 8, 16, 32, 64, 128):
         for head_dim in (64, 128, 256):
             for compute_wgs in (1, 2):
@@ -143,7 +154,8 @@ def test_default_block_q_fills_wgmma_rows():
     ("gqa", 128, 16, {}), ("mha", 64, 64, dict(block_kv=64, num_stages=3)),
     ("gqa", 256, 16, dict(sliding_window=700, logits_soft_cap=50.0)),
     ("g3", 128, 128, dict(block_kv=128, num_stages=1)),
-    ("gqa", 128, 32, SCHEDULES["one-wg"]), ("mha", 256, 16, SCHEDULES["producer-one-wg"]),
+    ("gqa", 128, 32, SPECIALIZED["producer-two-wgs"]),
+    ("mha", 256, 16, SPECIALIZED["producer-one-wg"]),
     ("gqa", 192, 16, dict(logits_soft_cap=30.0, num_stages=3))])
 def test_lowers_for_cuda(heads, head_dim, block_size, options):
     """Lowering runs Mosaic GPU's layout inference and emits the wgmma/TMA module without a GPU:
@@ -154,17 +166,16 @@ def test_lowers_for_cuda(heads, head_dim, block_size, options):
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
-    assert ("setmaxnreg" in text) == options.get("warp_specialized", True)
+    assert ("setmaxnreg" in text) == options.get("warp_specialized", False)
 
 
 # --- compiled on a Hopper GPU only: realistic shapes ---------------------------------------
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("schedule", ["default", *SCHEDULES])
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
-@pytest.mark.parametrize("block_kv,num_stages", [(64, 2), (128, 2), (128, 3)])
-def test_llama_chunks_with_prefix_and_decodes(schedule, block_size, block_kv, num_stages):
+@pytest.mark.parametrize("block_kv,num_stages", [(64, 2), (128, 2), (128, 3), (64, 4)])
+def test_llama_chunks_with_prefix_and_decodes(block_size, block_kv, num_stages):
     """Llama-3-8B heads (32 query, 8 kv, D=128), bf16: two 512-token chunks after 600- and
     0-token prefixes, a 77-token prompt and 30 decode rows, then padding rows."""
     if block_kv % block_size:
@@ -175,7 +186,7 @@ def test_llama_chunks_with_prefix_and_decodes(schedule, block_size, block_kv, nu
     problem = make_problem(6, num_heads=32, num_kv_heads=8, head_dim=128, block_size=block_size,
                            dtype=jnp.bfloat16, context_lens=context_lens, query_lens=query_lens,
                            padding_rows=10)
-    check(problem, block_kv=block_kv, num_stages=num_stages, **SCHEDULES.get(schedule, {}))
+    check(problem, block_kv=block_kv, num_stages=num_stages)
 
 
 @pytest.mark.gpu
@@ -200,11 +211,10 @@ def test_heads_windows_and_caps(num_heads, num_kv_heads, head_dim, dtype, slidin
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("schedule", ["default", *SCHEDULES])
-@pytest.mark.parametrize("block_q", [None, 32])
-def test_long_prompt_equals_triton_kernel(schedule, block_q):
+@pytest.mark.parametrize("block_q", [None, 16, 32])
+def test_long_prompt_equals_triton_kernel(block_q):
     """One 4096-token prompt (Llama heads, bf16): the Mosaic GPU and Triton kernels agree."""
     problem = make_problem(11, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
                            dtype=jnp.bfloat16, context_lens=[4096], query_lens=[4096])
-    out = check(problem, block_q=block_q, **SCHEDULES.get(schedule, {}))
+    out = check(problem, block_q=block_q)
     assert_matches(out, pk.paged_attention_prefill_gpu(*problem.prefill_args))

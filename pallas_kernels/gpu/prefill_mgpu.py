@@ -12,9 +12,10 @@ Same contract as the Triton kernel in `pallas_kernels.gpu.prefill` and the refer
   memory (P from registers); the online softmax runs in float32 registers, in base 2.
 - Keys walk the sequence's pages through its block-table row (scalars read from global memory),
   block_kv keys per step = block_kv / S pages, one TMA copy per page into one stage of a
-  num_stages-deep ring. Warp-specialized (the default): a producer warpgroup refills a stage once
-  the compute warpgroups (two, each with half the rows, by default) have arrived on its consumed
-  barriers. Otherwise one warpgroup copies step i + num_stages right after computing step i.
+  num_stages-deep ring; the one warpgroup copies step i + num_stages right after computing step
+  i (its table entries read before step i, so their latency hides behind it). An experimental
+  warp-specialized schedule (a producer warpgroup, one or two compute warpgroups) is an option;
+  it hangs in the interpreter on walks longer than the ring (see the wrapper's docstring).
 - Only steps on the causal diagonal (and the first steps of a sliding window) are masked; with a
   window of W the walk starts at the page holding the first row's oldest key, so older pages are
   never read. The last step zeroes the value rows past the tile's last key in shared memory:
@@ -54,7 +55,7 @@ def unsupported_reason(*, head_dim, dtype=None, block_size=None):
     return None
 
 
-def default_compute_wgs(group, warp_specialized=True):
+def default_compute_wgs(group, warp_specialized=False):
     """Two compute warpgroups when warp-specialized and the group size divides (or is a multiple
     of) their 128 rows; else one, whose tile needs only lcm(G, 64) rows (G = 3: 192, not 384)."""
     return 2 if warp_specialized and (128 % group == 0 or group % 128 == 0) else 1
@@ -137,7 +138,7 @@ def _check_tiling(q, k_pages, *, block_q, block_kv, num_stages, compute_wgs,
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
                             scale=None, sliding_window=None, logits_soft_cap=None,
                             interpret=False, block_q=None, block_kv=None, num_stages=2,
-                            compute_wgs=None, warp_specialized=True):
+                            compute_wgs=None, warp_specialized=False):
     """Ragged causal prefill/chunk attention on a Hopper GPU (Pallas Mosaic GPU).
 
     Same contract as `pallas_kernels.gpu.prefill.paged_attention_prefill`: q [T, H, D]; pages
@@ -149,9 +150,13 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     Static tiling: block_q (query tokens per tile; block_q * G must split into compute_wgs
     multiples of 64 rows; None: `default_block_q`), block_kv (keys per step, a multiple of 64 and
     of S; None: 128, or 64 for D > 128; at least S), num_stages (depth of the shared-memory
-    K/V ring), warp_specialized (a producer warpgroup issues the copies; False: the one compute
-    warpgroup does, between its steps), compute_wgs (compute warpgroups, 1 or 2; 2 only
+    K/V ring), warp_specialized (EXPERIMENTAL, see below; False: the one compute warpgroup issues
+    the copies between its steps), compute_wgs (compute warpgroups, 1 or 2; 2 only
     warp-specialized: each takes half the tile's rows; None: `default_compute_wgs`).
+    warp_specialized=True (a producer warpgroup refills the ring) lowers and matches the
+    reference in the interpreter while a tile's walk fits in the ring, but hangs there once the
+    producer has to wait for a stage to be consumed (cause not found: the interpreter or the
+    protocol); it has not run compiled. Do not use it before that is understood.
     interpret=True runs Mosaic GPU's own interpreter (jax 0.11+, CPU tests).
     """
     check_prefill_args(q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
