@@ -15,7 +15,7 @@ from typing import Any
 
 from jpaged.config import DTYPE_BYTES, normalize_dtype
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # What CompletionOutput.logprobs report (vLLM's names; jpaged.sampling.sample applies them).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -150,7 +150,8 @@ OPTIONS: tuple[Option, ...] = (
            "block_size))", positive_int, is_decided_at_start=True),
     Option("seed", int, 0, "seed for requests that give none", non_negative_int),
     Option("attention_backend", str, "auto", "auto: the Pallas kernels on GPU/TPU, the jnp "
-           "reference on CPU; pallas_gpu and pallas_tpu run in interpret mode on a CPU",
+           "reference on CPU; pallas_mosaic_gpu: pallas_gpu with the Hopper (Mosaic GPU) prefill "
+           "kernel; the Pallas backends run in interpret mode on a CPU",
            choices=ATTENTION_BACKENDS, is_decided_at_start=True),
     Option("kv_cache_dtype", str, "auto", "KV-cache dtype (auto: the weight dtype)", dtype_name,
            is_decided_at_start=True),

@@ -1,10 +1,13 @@
-"""Paged-attention kernels: the plain-jnp reference (the oracle) and Pallas GPU (Triton) / TPU kernels.
+"""Paged-attention kernels: the plain-jnp reference (the oracle), Pallas GPU (Triton; a Mosaic GPU
+prefill for Hopper) and TPU kernels.
 
 This package imports only jax and numpy; every setting arrives as an argument. Page layout, shared
 by every function here: `k_pages, v_pages: [K, N, S, D]` per layer (kv-head-major, so one head's
 S x D tile of a block is contiguous); physical block 0 is a reserved sink that kernels never read.
 
-`paged_attention_decode` / `paged_attention_prefill` dispatch on `backend`, one of `BACKENDS`;
+`paged_attention_decode` / `paged_attention_prefill` dispatch on `backend`, one of `BACKENDS`
+("pallas_mosaic_gpu" is "pallas_gpu" with the Hopper prefill kernel written in Mosaic GPU; its
+decode and cache writes are the Triton ones);
 mapping "auto" to one of these is the engine's job, with `unsupported_reason` saying which
 backends can run a model. `interpret=True` runs a Pallas kernel in the interpreter (CPU tests);
 the reference ignores it. Both take `sliding_window` and `logits_soft_cap` (semantics in
@@ -13,23 +16,33 @@ the reference ignores it. Both take `sliding_window` and `logits_soft_cap` (sema
 
 import jax.numpy as jnp
 
-from pallas_kernels import _validate, reference
+from pallas_kernels import _compat, _validate, reference
 from pallas_kernels.gpu.decode import paged_attention_decode as paged_attention_decode_gpu
 from pallas_kernels.gpu.prefill import paged_attention_prefill as paged_attention_prefill_gpu
+from pallas_kernels.gpu import prefill_mgpu
+from pallas_kernels.gpu.prefill_mgpu import (
+    paged_attention_prefill as paged_attention_prefill_mosaic_gpu)
 from pallas_kernels.gpu.cache_write import rotate_and_write as rotate_and_write_gpu
 from pallas_kernels.gpu.cache_write import write_to_pages as write_to_pages_gpu
 from pallas_kernels.reference import check_page_layout, dense_causal_attention
 from pallas_kernels.tpu.decode import paged_attention_decode as paged_attention_decode_tpu
 from pallas_kernels.tpu.prefill import paged_attention_prefill as paged_attention_prefill_tpu
 
-BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+BACKENDS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
+GPU_BACKENDS = ("pallas_gpu", "pallas_mosaic_gpu")  # share the Triton decode and cache writes
 
-_DECODE = {"pallas_gpu": paged_attention_decode_gpu, "pallas_tpu": paged_attention_decode_tpu}
-_PREFILL = {"pallas_gpu": paged_attention_prefill_gpu, "pallas_tpu": paged_attention_prefill_tpu}
+_DECODE = {"pallas_gpu": paged_attention_decode_gpu,
+           "pallas_mosaic_gpu": paged_attention_decode_gpu,
+           "pallas_tpu": paged_attention_decode_tpu}
+_PREFILL = {"pallas_gpu": paged_attention_prefill_gpu,
+            "pallas_mosaic_gpu": paged_attention_prefill_mosaic_gpu,
+            "pallas_tpu": paged_attention_prefill_tpu}
 
-__all__ = ["BACKENDS", "check_page_layout", "dense_causal_attention", "paged_attention_decode",
+__all__ = ["BACKENDS", "GPU_BACKENDS", "check_page_layout", "dense_causal_attention",
+           "paged_attention_decode",
            "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
-           "paged_attention_prefill_gpu", "paged_attention_prefill_tpu", "reference",
+           "paged_attention_prefill_gpu", "paged_attention_prefill_mosaic_gpu",
+           "paged_attention_prefill_tpu", "reference",
            "rotate_and_write", "rotate_and_write_gpu", "unsupported_reason", "write_to_pages",
            "write_to_pages_gpu"]
 
@@ -59,8 +72,12 @@ def unsupported_reason(backend, *, head_dim, dtype=None, kv_cache_dtype=None, bl
             if kv_cache_dtype is not None and jnp.dtype(kv_cache_dtype) != jnp.dtype(dtype):
                 problems.append(f"kv_cache_dtype {jnp.dtype(kv_cache_dtype)} != dtype "
                                 f"{jnp.dtype(dtype)}: the kernels read pages in the queries' dtype")
-    if backend == "pallas_gpu" and block_size is not None:
+    if backend in GPU_BACKENDS and block_size is not None:
         problems.append(_validate.power_of_two_problem("block_size", block_size, 1))
+    if backend == "pallas_mosaic_gpu":
+        problems.append(_compat.mosaic_gpu_problem())
+        problems.append(prefill_mgpu.unsupported_reason(head_dim=head_dim, dtype=dtype,
+                                                        block_size=block_size))
     return next((problem for problem in problems if problem is not None), None)
 
 
@@ -109,12 +126,12 @@ def write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, backend="ref
                    interpret=False):
     """Write k_new, v_new [T, K, D] into pages [K, N, S, D] at slot_mapping [T] (-1 skips).
 
-    "pallas_gpu" runs the Pallas cache-write kernel (faster than XLA's scatter on the H200, see
+    The GPU backends run the Pallas cache-write kernel (faster than XLA's scatter on the H200, see
     benchmarks/results/kernels_h200.md); the reference and "pallas_tpu" use XLA's scatter. Callers
     donate the pages so either writes in place. Returns the updated (k_pages, v_pages).
     """
     _check_backend(backend, {})
-    if backend == "pallas_gpu":
+    if backend in GPU_BACKENDS:
         return write_to_pages_gpu(k_pages, v_pages, k_new, v_new, slot_mapping,
                                   interpret=interpret)
     return reference.write_to_pages(k_pages, v_pages, k_new, v_new, slot_mapping)
@@ -126,11 +143,11 @@ def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads
     [T, H, D], with the rotated keys and the values written into pages [K, N, S, D] at
     slot_mapping [T] (-1 skips); cos, sin [T, D] float32. Returns (q, k_pages, v_pages).
 
-    "pallas_gpu" does it in one Pallas launch; the reference and "pallas_tpu" with XLA's ops
+    The GPU backends do it in one Pallas launch; the reference and "pallas_tpu" with XLA's ops
     and scatter. Callers donate the pages so either writes in place.
     """
     _check_backend(backend, {})
-    if backend == "pallas_gpu":
+    if backend in GPU_BACKENDS:
         return rotate_and_write_gpu(qkv, cos, sin, k_pages, v_pages, slot_mapping,
                                     num_heads=num_heads, interpret=interpret)
     return reference.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping,

@@ -20,7 +20,10 @@ except ImportError:  # pragma: no cover - depends on the jax build
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
 
 __all__ = ["pl", "plgpu", "pltpu", "plmgpu", "JAX_VERSION", "triton_params", "tpu_params",
-           "tpu_interpret", "mosaic_gpu_interpret", "dot_f32", "bundled_gpu_paged_attention"]
+           "tpu_interpret", "mosaic_gpu_interpret", "mosaic_gpu_problem", "dot_f32",
+           "bundled_gpu_paged_attention"]
+
+MOSAIC_GPU_MIN_JAX = (0, 11, 0)  # the Mosaic GPU kernels here use 0.11's API (and interpreter)
 
 
 def triton_params(num_warps, num_stages):
@@ -55,6 +58,16 @@ def mosaic_gpu_interpret(interpret):
         raise NotImplementedError(f"jax {jax.__version__} cannot interpret Mosaic GPU kernels "
                                   "(InterpretGPUParams arrived in jax 0.11)")
     return params()
+
+
+def mosaic_gpu_problem():
+    """None if this jax can build the Mosaic GPU kernels, else why not (`unsupported_reason`)."""
+    if plmgpu is None:
+        return "this jax build has no Pallas Mosaic GPU backend"
+    if JAX_VERSION < MOSAIC_GPU_MIN_JAX:
+        return (f"the Mosaic GPU kernels need jax >= {'.'.join(map(str, MOSAIC_GPU_MIN_JAX))}, "
+                f"this is {jax.__version__}")
+    return None
 
 
 def dot_f32(a, b, *, transpose_b=False):

@@ -442,3 +442,32 @@ def test_auto_never_picks_a_kernel_that_cannot_run_the_model(monkeypatch, caplog
     assert len(warnings) == 1 and "'pallas_gpu'" in warnings[0] and "block_size" in warnings[0]
     with pytest.raises(ValueError, match="'pallas_gpu' cannot run this model.*block_size"):
         builder.choose_attention_backend("pallas_gpu", config, block_size=24, **options)
+
+
+def test_auto_tries_its_gpu_candidates_in_order(monkeypatch):
+    """With the Hopper prefill kernel listed first, "auto" takes it only where it can run: a
+    head size it takes, this jax, a Hopper device; otherwise the next candidate, the Triton
+    kernels. Asked for by name off Hopper, it is refused with the reason."""
+    import dataclasses
+    import types
+
+    import pallas_kernels
+    from jpaged.config import ModelConfig
+    from jpaged.engine import builder
+
+    monkeypatch.setattr(builder.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(builder, "AUTO_GPU_BACKENDS", ("pallas_mosaic_gpu", "pallas_gpu"))
+    tiny = ModelConfig.preset("tiny")  # head_dim 16: not for the Mosaic GPU kernel
+    wide = dataclasses.replace(tiny, head_dim=128)
+    options = dict(dtype="bfloat16", kv_dtype="bfloat16", block_size=16)
+    can_build = pallas_kernels.unsupported_reason(
+        "pallas_mosaic_gpu", head_dim=128, dtype="bfloat16", block_size=16) is None
+    for capability, config, expected in [
+            ("9.0", wide, "pallas_mosaic_gpu" if can_build else "pallas_gpu"),
+            ("9.0", tiny, "pallas_gpu"), ("8.0", wide, "pallas_gpu")]:
+        device = types.SimpleNamespace(compute_capability=capability)
+        monkeypatch.setattr(builder.jax, "devices", lambda device=device: [device])
+        assert builder.choose_attention_backend("auto", config, **options) == (expected, False)
+    with pytest.raises(ValueError, match="'pallas_mosaic_gpu' cannot run this model.*Hopper"
+                       if can_build else "'pallas_mosaic_gpu' cannot run this model"):
+        builder.choose_attention_backend("pallas_mosaic_gpu", wide, **options)

@@ -21,14 +21,27 @@ CPU_KV_BUDGET_BYTES = 1 << 30       # no memory statistics on the CPU: a fixed 1
 ACTIVATION_SLACK_BYTES = 512 << 20  # allocator fragmentation, compiler scratch, kernels' partials
 
 
+# "auto" on a CUDA GPU takes the first of these that can run the model on this device. To make
+# the Hopper prefill kernel the default: ("pallas_mosaic_gpu", "pallas_gpu").
+AUTO_GPU_BACKENDS = ("pallas_gpu",)
+_NATIVE_PLATFORMS = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_mosaic_gpu": ("gpu", "cuda"),
+                     "pallas_tpu": ("tpu",)}
+
+
+def _auto_candidates(platform: str) -> tuple[str, ...]:
+    if platform in ("gpu", "cuda"):
+        return AUTO_GPU_BACKENDS
+    return ({"tpu": "pallas_tpu"}.get(platform, "reference"),)
+
+
 def resolve_attention_backend(name: str) -> tuple[str, bool]:
-    """("auto" | explicit) -> (backend, interpret). Pallas backends interpret on the CPU."""
+    """("auto" | explicit) -> (backend, interpret). Pallas backends interpret on the CPU.
+    "auto" gives its first candidate; `choose_attention_backend` also tries the others."""
     check_option("attention_backend", name)
     platform = jax.default_backend()
     if name == "auto":
-        name = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(
-            platform, "reference")
-    native = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
+        name = _auto_candidates(platform)[0]
+    native = _NATIVE_PLATFORMS
     if platform != "cpu" and platform not in native.get(name, (platform,)):
         raise ValueError(f"attention_backend {name!r} compiles for {' or '.join(native[name])} "
                          f"(or runs interpreted on the CPU), not for this {platform} backend; "
@@ -36,20 +49,37 @@ def resolve_attention_backend(name: str) -> tuple[str, bool]:
     return name, name != "reference" and platform == "cpu"
 
 
+def _device_problem(backend: str):
+    """Why this machine's accelerator cannot run `backend`'s kernels (None: it can, or the CPU
+    interprets them). Mosaic GPU's wgmma and TMA exist on Hopper (compute capability 9.x) only."""
+    if backend != "pallas_mosaic_gpu" or jax.default_backend() == "cpu":
+        return None
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not capability.startswith("9."):
+        return f"the Mosaic GPU prefill kernel needs a Hopper GPU (compute capability 9.x), " \
+               f"this one has {capability or 'none reported'}"
+    return None
+
+
 def choose_attention_backend(name: str, model_config, *, dtype, kv_dtype,
                              block_size: int) -> tuple[str, bool]:
     """`resolve_attention_backend`, checked against the model: a backend whose kernels cannot run
-    it (head size, dtype, block size, a layer's window or soft cap) is refused by name when asked
-    for, and passed over by "auto", which then takes the reference and says why, once."""
+    it (head size, dtype, block size, a layer's window or soft cap, the device) is refused by name
+    when asked for; "auto" passes it over for its next candidate, and when none can run the model
+    takes the reference and says why, once."""
     backend, interpret = resolve_attention_backend(name)
-    reason = unsupported_reason(backend, model_config, dtype=dtype, kv_dtype=kv_dtype,
-                                block_size=block_size)
-    if reason is None:
-        return backend, interpret
+    candidates = _auto_candidates(jax.default_backend()) if name == "auto" else (backend,)
+    reasons = []
+    for candidate in candidates:
+        reason = unsupported_reason(candidate, model_config, dtype=dtype, kv_dtype=kv_dtype,
+                                    block_size=block_size) or _device_problem(candidate)
+        if reason is None:
+            return candidate, candidate != "reference" and jax.default_backend() == "cpu"
+        reasons.append(f"{candidate!r} cannot run this model ({reason})")
     if name != "auto":
         raise ValueError(f"attention_backend {backend!r} cannot run this model: {reason}")
-    _say_once(f"attention_backend 'auto': {backend!r} cannot run this model ({reason}); "
-              "using 'reference' (the jnp attention)")
+    _say_once(f"attention_backend 'auto': {'; '.join(reasons)}; using 'reference' (the jnp "
+              "attention)")
     return "reference", False
 
 

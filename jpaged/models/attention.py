@@ -34,7 +34,7 @@ class AttentionMetadata:
     Static fields (part of the compiled step's cache key):
       is_decode: every sequence has exactly one query and row b of q is sequence b (T == B), so
                  the decode kernel runs; query_start_loc is then unused.
-      backend:   "reference" | "pallas_gpu" | "pallas_tpu".
+      backend:   "reference" | "pallas_gpu" | "pallas_mosaic_gpu" | "pallas_tpu".
       interpret: run Pallas kernels in interpret mode (CPU tests).
     """
     slot_mapping: jax.Array
