@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jpaged.kv_cache import PAD_SLOT, SINK_BLOCK
 
@@ -65,22 +66,24 @@ class AppendResult:
 
 def init_state(num_blocks: int, block_size: int, max_seqs: int,
                max_blocks_per_seq: int) -> BlockManagerState:
-    """All blocks but the sink free; block 1 is popped first."""
+    """All blocks but the sink free; block 1 is popped first. Built on the host and moved in one
+    transfer: a start compiles no program for it (each jnp op would be one, about ten)."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be at least 2 (one is the sink), got {num_blocks}")
     for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
                         ("max_blocks_per_seq", max_blocks_per_seq)):
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}")
-    free = jnp.arange(num_blocks - 1, 0, -1, dtype=jnp.int32)
-    return BlockManagerState(
-        free_stack=jnp.concatenate([free, jnp.zeros(1, jnp.int32)]),
-        num_free=jnp.int32(num_blocks - 1),
-        refcounts=jnp.zeros(num_blocks, jnp.int32).at[SINK_BLOCK].set(1),
-        block_tables=jnp.full((max_seqs, max_blocks_per_seq), SINK_BLOCK, jnp.int32),
-        seq_lens=jnp.zeros(max_seqs, jnp.int32),
+    refcounts = np.zeros(num_blocks, np.int32)
+    refcounts[SINK_BLOCK] = 1
+    return jax.device_put(BlockManagerState(
+        free_stack=np.append(np.arange(num_blocks - 1, 0, -1, dtype=np.int32), np.int32(0)),
+        num_free=np.int32(num_blocks - 1),
+        refcounts=refcounts,
+        block_tables=np.full((max_seqs, max_blocks_per_seq), SINK_BLOCK, np.int32),
+        seq_lens=np.zeros(max_seqs, np.int32),
         block_size=block_size,
-    )
+    ))
 
 
 def _cdiv(a, b):
