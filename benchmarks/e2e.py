@@ -15,6 +15,9 @@ utilisation (token states over KV allocated to sequences, mean over steps); the 
 can be capped (--hf-static-batches, --hf-cb-seconds) and the table says when they were. jpaged's
 numbers exclude first-call compilation (timed inside the run and subtracted, as throughput.py
 does). The roofline part (benchmarks/roofline.py) reuses the K=1 engine's compiled steps.
+Each jpaged run also says where its time went (`step_breakdown`): seconds on the host and
+waiting for the device, tokens and tokens/s per step kind (prompt steps, single decode steps,
+decode loops), the trace's tail (steps of at most --tail-seqs sequences) apart.
 Usage: python benchmarks/e2e.py --model llama3-8b --out-dir results/
 """
 
@@ -73,6 +76,7 @@ def run_jpaged(model, trace, prompts, args, *, block_size, num_steps, keep_engin
         engine.add_request(f"r{index}", prompt_token_ids=prompt, params=SamplingParams(
             temperature=0.0, max_tokens=request.output_len, ignore_eos=True))
     mirror, compile_before = engine.ledger.mirror, engine.executor.compile_seconds
+    engine.step_log = []
     max_running, held, allocated = 0, 0, 0
     start = time.perf_counter()
     while engine.has_unfinished():
@@ -93,10 +97,64 @@ def run_jpaged(model, trace, prompts, args, *, block_size, num_steps, keep_engin
                   requests=len(trace), output_tokens=output_tokens, decoded_tokens=output_tokens,
                   max_concurrent=max_running, kv_utilisation=held / max(allocated, 1),
                   preemptions=engine.stats()["num_preemptions"], capped=False,
+                  steps=step_breakdown(engine.step_log, args.tail_seqs),
                   note=f"K={num_steps}, blocks of {block_size}, "
                        f"{engine.config.num_kv_blocks} blocks; compile {compile_seconds:.0f} s "
                        "subtracted")
     return (result, engine) if keep_engine else (result, None)
+
+
+STEP_KINDS = ("prompt", "decode", "decode loop")
+
+
+def step_kind(record) -> str:
+    """A step record's kind: a step with prompt tokens (prefill chunks, possibly with decode
+    rows mixed in), a single decode step, or a K-iteration decode loop."""
+    if not record.is_decode:
+        return "prompt"
+    return "decode loop" if record.num_generated > record.num_seqs else "decode"
+
+
+def step_breakdown(records, tail_seqs: int) -> list[dict]:
+    """Where a run's time went: per step kind, and within it the tail of the trace (steps of at
+    most tail_seqs sequences) apart from the rest; seconds on the host (scheduling, inputs,
+    outputs) and waiting for the device (transfers, the compiled step; with async loops, the
+    wait for a loop's results), tokens sampled, steps that compiled (their time is in here)."""
+    rows = {}
+    for record in records:
+        phase = "tail" if record.num_seqs <= tail_seqs else "full"
+        row = rows.setdefault((step_kind(record), phase), dict(
+            kind=step_kind(record), phase=phase, steps=0, host_seconds=0.0, device_seconds=0.0,
+            generated=0, seqs=0, compiled=0))
+        row["steps"] += 1
+        row["host_seconds"] += record.host_seconds
+        row["device_seconds"] += record.device_seconds
+        row["generated"] += record.num_generated
+        row["seqs"] += record.num_seqs
+        row["compiled"] += record.compiled
+    order = {kind: index for index, kind in enumerate(STEP_KINDS)}
+    return sorted(rows.values(), key=lambda row: (order[row["kind"]], row["phase"]))
+
+
+def breakdown_table(results: dict, tail_seqs: int) -> str:
+    """A markdown table of every jpaged run's step_breakdown."""
+    lines = ["| run | steps of | phase | steps | wall s | share | host s | device s | "
+             "tokens | tokens/s | mean seqs | compiled |", "|---" * 12 + "|"]
+    for name, result in results.items():
+        steps = result.get("steps")
+        if not steps:
+            continue
+        total = sum(row["host_seconds"] + row["device_seconds"] for row in steps)
+        for row in steps:
+            wall = row["host_seconds"] + row["device_seconds"]
+            lines.append(
+                f"| {name} | {row['kind']} | {row['phase']} | {row['steps']} | {wall:.2f} | "
+                f"{wall / max(total, 1e-9):.1%} | {row['host_seconds']:.2f} | "
+                f"{row['device_seconds']:.2f} | {row['generated']} | "
+                f"{row['generated'] / max(wall, 1e-9):.0f} | "
+                f"{row['seqs'] / row['steps']:.1f} | {row['compiled']} |")
+    return (f"Phase tail: steps of at most {tail_seqs} sequences. Wall includes first-call "
+            "compilation (the compiled column counts such steps).\n\n" + "\n".join(lines) + "\n")
 
 
 def header(args, bandwidth, flop_rate) -> list[str]:
@@ -207,6 +265,8 @@ def main(argv=None):
     parser.add_argument("--hf-cb-block-size", type=int, default=256)
     parser.add_argument("--parts", default="jpaged,roofline,contiguous,hf_static,hf_cb")
     parser.add_argument("--deadline", type=float, default=1e9, help="seconds for all parts")
+    parser.add_argument("--tail-seqs", type=int, default=16,
+                        help="the step breakdown's tail: steps of at most this many sequences")
     parser.add_argument("--jax-memory-fraction", default=None)
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args(argv)
@@ -271,6 +331,9 @@ def main(argv=None):
             time_cap=args.hf_cb_seconds, warmup=on_gpu), needs=30)
 
     text = "\n".join(header(args, bandwidth, flop_rate)) + "\n\n" + results_table(parts.results)
+    if any(result.get("steps") for result in parts.results.values()):
+        text += "\n### Where jpaged's time went, by step\n\n" + breakdown_table(
+            parts.results, args.tail_seqs)
     if roofline_rows:
         text += "\n### Decode step against its floor (roofline.py: the K=1 decode loop)\n\n" + \
             roofline.table(roofline_rows, bandwidth)

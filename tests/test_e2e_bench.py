@@ -73,3 +73,27 @@ def test_time_decode_step_runs_on_an_engine_and_leaves_it_idle():
     row = roofline.time_decode_step(engine, 4, max_context=40, steps=2)
     assert row["batch"] == 4 and row["context"] == 40 and row["seconds"] == row["seconds"]
     assert engine.num_free_blocks == free and engine.ledger.num_free_slots == 4
+
+
+def test_step_breakdown_sorts_time_by_kind_and_tail():
+    """Prompt steps, single decode steps and K-iteration loops (more tokens than sequences)
+    apart, the tail (<= tail_seqs sequences) apart from the rest; sums by hand."""
+    from jpaged.engine.llm_engine import StepRecord
+
+    records = [StepRecord(False, 40, 2048, 2048, 40, 0.5, 0.1, True),     # prompt, full
+               StepRecord(True, 40, 40, 9000, 40, 0.02, 0.01, False),     # decode, full
+               StepRecord(True, 40, 40, 9000, 320, 0.10, 0.02, False),    # loop of 8, full
+               StepRecord(True, 4, 4, 900, 32, 0.05, 0.03, False),        # loop, tail
+               StepRecord(True, 3, 3, 700, 24, 0.05, 0.01, False)]        # loop, tail
+    rows = e2e.step_breakdown(records, tail_seqs=16)
+    assert [(r["kind"], r["phase"], r["steps"]) for r in rows] == [
+        ("prompt", "full", 1), ("decode", "full", 1), ("decode loop", "full", 1),
+        ("decode loop", "tail", 2)]
+    tail = rows[-1]
+    assert (tail["generated"], tail["seqs"], tail["compiled"]) == (56, 7, 0)
+    assert abs(tail["host_seconds"] - 0.04) < 1e-12 and abs(tail["device_seconds"] - 0.10) < 1e-12
+    table = e2e.breakdown_table({"jpaged K=8": dict(steps=rows), "hf": {"error": "x"}}, 16)
+    last = table.splitlines()[-1]
+    # 0.14 s of 0.89 s in all; 56 tokens / 0.14 s = 400 tokens/s; 3.5 sequences a step
+    assert last == ("| jpaged K=8 | decode loop | tail | 2 | 0.14 | 15.7% | 0.04 | 0.10 | 56 | "
+                    "400 | 3.5 | 0 |")
