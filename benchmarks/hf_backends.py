@@ -21,6 +21,21 @@ from pathlib import Path
 import numpy as np
 
 
+def torch_device() -> str:
+    """The torch device beside jax's backend: "cuda" when jax runs on a GPU, else "cpu"."""
+    import jax
+
+    return "cuda" if jax.default_backend() == "gpu" else "cpu"
+
+
+def emit(text: str, out) -> str:
+    """Print a results table and write it to `out` (a path; None: print only)."""
+    if out:
+        Path(out).write_text(text)
+    print(text)
+    return text
+
+
 def run_lines(script: str) -> list[str]:
     """The device, date and versions of both frameworks, and the exact command: the first lines
     of a results table that compares jpaged with transformers."""

@@ -32,7 +32,6 @@ if "--jax-memory-fraction" in sys.argv:
 import dataclasses  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -260,15 +259,12 @@ def main(argv=None) -> str:
     ours, completions = jpaged_rollout(llm, prompts, shape, args.seed)
     theirs = None
     if not args.no_hf:
-        device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+        device = hf_backends.torch_device()
         hf_model = hf_backends.build_hf_model(PRESETS_DIR / f"{args.model}.json", model,
                                               device=device, dtype_name=args.dtype)
         theirs = hf_rollout(hf_model, prompts, completions, shape, args, device)
-    text = "\n".join(header(args, shape)) + "\n\n" + results_table(ours, theirs, shape)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return text
+    return hf_backends.emit("\n".join(header(args, shape)) + "\n\n" +
+                            results_table(ours, theirs, shape), args.out)
 
 
 if __name__ == "__main__":

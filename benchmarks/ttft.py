@@ -38,7 +38,6 @@ import gc  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -295,15 +294,11 @@ def main(argv=None) -> str:
         return time.perf_counter() - start > args.deadline
     config = ModelConfig.preset(args.model)
     model = random_model(config, dtype=jnp.dtype(args.dtype))
-    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
-    theirs = {} if args.no_hf else run_torch(model, args, config, device, is_past_deadline)
+    theirs = {} if args.no_hf else run_torch(model, args, config, hf_backends.torch_device(),
+                                             is_past_deadline)
     ours = run_jpaged(model, args, config, is_past_deadline)
-    text = "\n".join(header(args)) + "\n\n" + results_table(args.case_list, args.budgets, ours,
-                                                             theirs, args.repeats)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return text
+    return hf_backends.emit("\n".join(header(args)) + "\n\n" + results_table(
+        args.case_list, args.budgets, ours, theirs, args.repeats), args.out)
 
 
 if __name__ == "__main__":
