@@ -221,3 +221,33 @@ def test_a_warm_start_takes_its_programs_from_the_store_without_lowering(tmp_pat
         again = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
         assert generate(again) == reference
     assert any("unreadable stored program" in str(w.message) for w in caught)
+
+
+def test_the_pool_lowers_a_bounded_number_at_once_and_a_dispatch_never_waits(monkeypatch):
+    """Pool threads trace and lower at most LOWERING_THREADS programs at a time (here 1, so
+    even a 2-core machine's two pool threads would overlap without the bound); a program
+    compiled on demand by the dispatching thread lowers even while the pool holds every turn."""
+    monkeypatch.setattr(programs, "_LOWERING", threading.BoundedSemaphore(1))
+    lowering, most = [], []
+    lock = threading.Lock()
+
+    def slow(x, *, tag):
+        with lock:
+            lowering.append(tag)
+            most.append(len(lowering))
+        threading.Event().wait(0.05)   # tracing takes a while (runs while the jit traces)
+        with lock:
+            lowering.remove(tag)
+        return x + tag
+
+    program = jax.jit(slow, static_argnames="tag")
+    pool = programs.Programs()
+    futures = [pool.submit(("slow", tag), program, (jnp.zeros(3),), {"tag": tag})
+               for tag in range(6)]
+    for future in futures:
+        future.result()
+    assert max(most) == 1 and len(most) == 6
+
+    with programs._LOWERING:   # every pool turn taken: the dispatching thread must not wait
+        executable, is_new = pool.executable(("slow", 7), program, (jnp.zeros(3),), {"tag": 7})
+    assert is_new and float(executable(jnp.zeros(3))[0]) == 7.0
