@@ -16,6 +16,11 @@ import numpy as np
 
 from jpaged.sampling import SamplerOutput
 
+# Scored positions one step computes at most: the scheduler cuts prompt chunks that score so
+# that a step's [Q, V] logits stay bounded (at 8B's vocabulary, 1,024 rows are 0.5 GB of float32
+# logits) whatever max_num_batched_tokens is; the KV pool's sizing reserves this many rows.
+SCORED_POSITIONS_PER_STEP = 1024
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

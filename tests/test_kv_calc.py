@@ -82,12 +82,21 @@ def test_cli_bad_input_names_the_problem():
 
 
 def test_activation_reserve_covers_a_step_of_scored_positions():
-    """A step scoring every token (prompt logprobs, `score`) has a row of logits per token, so
-    the reserve counts max(sequences, batched tokens) rows of float32 logits x 4."""
-    from jpaged.engine.builder import activation_reserve_bytes
+    """A step scoring prompt positions (prompt logprobs, `score`) has a row of logits per
+    position, at most SCORED_POSITIONS_PER_STEP (the scheduler's cap): the reserve counts
+    max(sequences, scored rows) rows of float32 logits x 4, and no more at larger budgets."""
+    from jpaged.engine.builder import ACTIVATION_SLACK_BYTES, activation_reserve_bytes
+    from jpaged.logprobs import SCORED_POSITIONS_PER_STEP as CAP
 
     config = ModelConfig.preset("llama3-8b")
-    few_seqs = activation_reserve_bytes(config, 2048, 64)
-    assert few_seqs == activation_reserve_bytes(config, 2048, 512)   # tokens decide
-    assert few_seqs - activation_reserve_bytes(config, 1024, 64) >= \
-        16 * 1024 * config.vocab_size
+    per_token = 4 * (4 * 4096 + 2 * 6144 + 3 * 14336)
+
+    def logit_rows(tokens, seqs):
+        logits = activation_reserve_bytes(config, tokens, seqs) - tokens * per_token \
+            - ACTIVATION_SLACK_BYTES
+        assert logits % (16 * config.vocab_size) == 0
+        return logits // (16 * config.vocab_size)
+
+    assert logit_rows(2048, 64) == CAP and logit_rows(32768, 64) == CAP   # the cap decides
+    assert logit_rows(256, 64) == 256                                     # a small budget
+    assert logit_rows(2048, 4 * CAP) == 4 * CAP                           # sequences decide

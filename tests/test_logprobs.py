@@ -146,6 +146,36 @@ def test_prompt_logprobs_match_transformers_over_chunks(path, engines, cached):
     assert plain.prompt_logprobs is None and plain.num_cached_tokens == (36 if cached else 0)
 
 
+def test_a_step_scores_at_most_its_share_of_positions(path, engines, monkeypatch):
+    """With the per-step cap at 5, prompts of 37 and 23 tokens (prompt logprobs) and a score
+    request are cut into more steps, no step scores more than 5 positions, and every number is
+    still transformers'."""
+    from jpaged.engine import executor as executor_module
+    from jpaged.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "SCORED_POSITIONS_PER_STEP", 5)
+    counts = []
+    scored_positions = executor_module._scored_positions
+
+    def counted(rows):
+        scored = scored_positions(rows)
+        counts.append(len(scored[0]))
+        return scored
+
+    monkeypatch.setattr(executor_module, "_scored_positions", counted)
+    engine = engines[False]
+    prompts = tokens_of([37, 23], seed=6)
+    for output in run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=2,
+                                                      prompt_logprobs=2)):
+        check_prompt_logprobs(path, output, 2)
+    assert counts and max(counts) == 5 and sum(counts) == 36 + 22
+    prompt, completion = prompts[1][:9], prompts[0][:20]
+    scores = engine.score([prompt], [completion])[0]
+    np.testing.assert_allclose(scores, hf_token_logprobs(path, prompt, completion),
+                               atol=TOLERANCE)
+    assert max(counts) == 5
+
+
 def test_prompt_logprobs_under_preemption_are_made_once(path, engines):
     """The pool cannot hold four growing sequences: requests are preempted and prefilled again;
     each prompt's logprobs still come once, equal to transformers'."""

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jpaged import kv_cache, parallel
 from jpaged.config import normalize_dtype
 from jpaged.engine import compile_cache
+from jpaged.logprobs import SCORED_POSITIONS_PER_STEP
 from jpaged.models.attention import unsupported_reason
 from jpaged.models.loader import load_model, load_tokenizer
 from jpaged.options import LOADING_OPTIONS, EngineConfig, OptionError, check_option, check_options
@@ -178,13 +179,14 @@ def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs)
     """Peak bytes of one step's temporaries, an upper estimate in float32: per token the
     residual stream, q/k/v, attention output and the MLP's three intermediate-size tensors; per
     row of logits the logits and the sampler's sort buffers (x4); plus fixed slack. Rows of
-    logits: a sampled row per sequence, or a scored position per token (prompt logprobs and
-    `score` take every prompt position of a step: the larger count)."""
+    logits: a sampled row per sequence, or a step's scored prompt positions (prompt logprobs,
+    `score`: at most SCORED_POSITIONS_PER_STEP, the scheduler's cap): the larger count."""
     hidden, inter = model_config.hidden_size, model_config.intermediate_size
     qkv = (model_config.num_attention_heads + 2 * model_config.num_key_value_heads) * \
         model_config.head_dim
     per_token = 4 * (4 * hidden + 2 * qkv + 3 * inter)
-    logits = 4 * 4 * max(max_num_seqs, max_num_batched_tokens) * model_config.vocab_size
+    scored = min(max_num_batched_tokens, SCORED_POSITIONS_PER_STEP)
+    logits = 4 * 4 * max(max_num_seqs, scored) * model_config.vocab_size
     return max_num_batched_tokens * per_token + logits + ACTIVATION_SLACK_BYTES
 
 

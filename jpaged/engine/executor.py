@@ -33,7 +33,7 @@ from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, d
 from jpaged.engine import compile_cache, warmup
 from jpaged.engine.executable_store import Store
 from jpaged.engine.programs import Programs
-from jpaged.logprobs import PositionRows
+from jpaged.logprobs import SCORED_POSITIONS_PER_STEP, PositionRows
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
 from jpaged.sampling import (MAX_LOGPROBS, SamplingParams, SamplingRow, SamplingTensors,
@@ -427,7 +427,8 @@ class Executor:
             positions = PositionRows.from_lists(
                 [row_start[row] + at for row, at, _, _ in scored], [t for _, _, t, _ in scored],
                 [temperature for _, _, _, temperature in scored],
-                bucket(len(scored), 16, max(16, self.max_num_batched_tokens)))
+                bucket(len(scored), 16, max(16, min(self.max_num_batched_tokens,
+                                                    SCORED_POSITIONS_PER_STEP))))
         return StepInputs(token_ids, seq_ids, query_lens, logits_indices, sampling,
                           positions), is_decode
 

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 
 from jpaged.blocks.ledger import BlockLedger
+from jpaged.logprobs import SCORED_POSITIONS_PER_STEP
 from jpaged.options import PREEMPTION_MODES
 from jpaged.request import Request, Sequence, SequenceStatus
 
@@ -84,6 +85,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.num_scheduler_steps = num_scheduler_steps
         self.sliding_window = sliding_window   # every layer's: older blocks go back to the pool
+        self._scored_left = SCORED_POSITIONS_PER_STEP   # this step's scored prompt positions
         self.swap_policy = None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -200,6 +202,7 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         budget = self.max_num_batched_tokens
+        self._scored_left = SCORED_POSITIONS_PER_STEP
         index = 0
         while index < len(self.running):
             request = self.running[index]
@@ -328,7 +331,8 @@ class Scheduler:
         for seq in request.live_sequences:
             if budget <= 0:
                 break
-            count = min(seq.num_uncomputed, budget)
+            count = self._within_scored_budget(request, seq.num_computed,
+                                               min(seq.num_uncomputed, budget))
             if count <= 0:
                 continue
             reaches_end = count == seq.num_uncomputed
@@ -341,6 +345,16 @@ class Scheduler:
             rows.append(ScheduledRow(request, seq, seq.num_computed, count, samples))
             budget -= count
         return rows
+
+    def _within_scored_budget(self, request: Request, start: int, count: int) -> int:
+        """count, cut so that the step's scored prompt positions (prompt logprobs, `score`) stay
+        within SCORED_POSITIONS_PER_STEP; takes the positions it keeps from this step's share."""
+        positions = request.scored_range(start, count)
+        if len(positions) > self._scored_left:
+            count = positions.start + self._scored_left - start
+            positions = request.scored_range(start, count)
+        self._scored_left -= len(positions)
+        return count
 
     def _room_for(self, plan: _StepPlan, blocks: int, reserve: int = 0, protected=()) -> bool:
         """Can `blocks` more blocks than already planned be served, evicting cached blocks if
