@@ -70,3 +70,30 @@ def test_a_model_with_full_attention_layers_keeps_every_block(hf_checkpoints):
                                        num_kv_blocks=64, block_size=BLOCK_SIZE)
     assert engine.scheduler.sliding_window is None
     assert engine.model_config.num_sliding_layers > 0
+
+
+def test_a_request_longer_than_the_pool_runs_when_its_window_fits(hf_checkpoints):
+    """A sliding-window model (window 8, blocks of 4) with a pool of 11 usable blocks: a request
+    of 30 + 60 tokens (23 blocks at full length) is admitted, since trimming keeps it within
+    (8 + 8) / 4 + 2 = 6 blocks, and finishes token-identical to a pool that holds it whole;
+    the same request on a model with a full-attention layer is still refused up front."""
+    prompt = prompts_of([30])[0]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    settings = dict(max_model_len=128, max_num_seqs=2, block_size=BLOCK_SIZE,
+                    max_num_batched_tokens=8, dtype="float32")
+
+    def tokens(path, num_kv_blocks):
+        engine = LLMEngine.from_pretrained(path, num_kv_blocks=num_kv_blocks, **settings)
+        engine.add_request("long", prompt_token_ids=prompt, params=params)
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.finished:
+                    assert engine.stats()["num_preemptions"] == 0
+                    return output.outputs[0].token_ids
+        raise AssertionError("the request did not finish")
+
+    path = hf_checkpoints["mistral_window"]
+    assert len(tokens(path, 12)) == 60
+    assert tokens(path, 12) == tokens(path, 64)
+    with pytest.raises(ValueError, match="could never run"):
+        tokens(hf_checkpoints["qwen2_window"], 12)

@@ -19,6 +19,7 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.config = config
+        self.window = model_config.window_of_every_layer   # blocks behind it are let go
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = itertools.count()
 
@@ -53,7 +54,7 @@ class InputProcessor:
         if params.n > config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={config.max_num_seqs}")
         total = min(len(token_ids) + params.max_tokens, config.max_model_len)
-        blocks = params.n * -(-total // config.block_size)
+        blocks = params.n * self.blocks_per_sequence(total)
         usable = config.num_kv_blocks - 1
         if blocks > usable:
             raise ValueError(f"request needs up to {blocks} KV blocks ({params.n} x {total} "
@@ -69,6 +70,20 @@ class InputProcessor:
         if bad:
             raise ValueError(f"stop_token_ids contains ids outside [0, {self.vocab_size}) (the "
                              f"vocabulary): {bad[:5]}")
+
+    def blocks_per_sequence(self, total: int) -> int:
+        """Most blocks one sequence of `total` tokens holds at once. Where every layer slides a
+        window W, the blocks wholly behind it go back to the pool before each step
+        (`BlockLedger.trim_window`), so a sequence holds at most the window, what one step
+        (or the decode loops chained before the next trim) adds, and a partial block at each
+        end: (W + step tokens) / S + 2."""
+        config = self.config
+        blocks = -(-total // config.block_size)
+        if self.window is None:
+            return blocks
+        step = max(config.max_num_batched_tokens,
+                   config.num_scheduler_steps * (config.async_depth + 1))
+        return min(blocks, (self.window + step) // config.block_size + 2)
 
     def stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """Token ids that end a sequence on the device: stop_token_ids, and EOS unless ignored."""
