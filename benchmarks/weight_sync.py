@@ -73,9 +73,11 @@ def weight_sync(preset: str, *, repeats: int = 5, dtype: str = "bfloat16",
     on_device = engine.get_weights()
     model_bytes = sum(array.nbytes for array in on_device.values())
     device_seconds = time_update(engine, on_device, repeats)
-    on_host = {name: np.asarray(array) for name, array in on_device.items()}
+    print(f"from device arrays: {device_seconds:.4f} s", flush=True)   # kept if a later part
+    on_host = {name: np.asarray(array) for name, array in on_device.items()}  # runs out of time
     del on_device
     host_seconds = time_update(engine, on_host, repeats)
+    print(f"from host numpy: {host_seconds:.4f} s", flush=True)
     return {"preset": preset, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
             "model_bytes": model_bytes, "device_seconds": device_seconds,
             "host_seconds": host_seconds,
