@@ -251,3 +251,21 @@ def test_the_pool_lowers_a_bounded_number_at_once_and_a_dispatch_never_waits(mon
     with programs._LOWERING:   # every pool turn taken: the dispatching thread must not wait
         executable, is_new = pool.executable(("slow", 7), program, (jnp.zeros(3),), {"tag": 7})
     assert is_new and float(executable(jnp.zeros(3))[0]) == 7.0
+
+
+def test_store_keys_differ_by_compiler_options_and_static_arguments(tmp_path):
+    """Two jits of one function that differ only in compiler options (the step's Triton-GEMM
+    and cuBLAS variants) or in a static argument never share a stored executable."""
+    from jpaged.engine import device_step
+
+    store = Store(tmp_path, context="model")
+    step = device_step.step_impl
+    triton, cublas = (device_step._STEP_PROGRAMS[flag] for flag in (True, False))
+    specs = (jax.ShapeDtypeStruct((4,), jnp.int32),)
+    assert triton.__qualname__ == cublas.__qualname__ == step.__qualname__
+    assert store.key(triton, specs, {"is_decode": True}) != store.key(cublas, specs,
+                                                                      {"is_decode": True})
+    assert store.key(triton, specs, {"is_decode": True}) != store.key(triton, specs,
+                                                                      {"is_decode": False})
+    assert store.key(triton, specs, {"is_decode": True}) == Store(
+        tmp_path, context="model").key(triton, specs, {"is_decode": True})

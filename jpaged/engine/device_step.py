@@ -359,9 +359,13 @@ def _programs(fn, static_argnames) -> dict:
     """fn jitted twice, {True: with XLA's Triton GEMMs, False: cuBLAS only}. Module-level, so
     engines with the same model and shapes share compiled executables. Donated: argument 1
     (block-manager state) and 2 (KV cache) are updated in place."""
-    return {triton: jax.jit(fn, donate_argnums=(1, 2), static_argnames=static_argnames,
-                            compiler_options={"xla_gpu_enable_triton_gemm": triton})
-            for triton in (True, False)}
+    programs = {}
+    for triton in (True, False):
+        options = {"xla_gpu_enable_triton_gemm": triton}
+        programs[triton] = jax.jit(fn, donate_argnums=(1, 2), static_argnames=static_argnames,
+                                   compiler_options=options)
+        programs[triton].compiler_options = options   # for the program store's key
+    return programs
 
 
 _STEP_PROGRAMS = _programs(step_impl, (

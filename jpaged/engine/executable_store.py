@@ -4,7 +4,8 @@ start looks, in front of JAX's persistent compilation cache.
 JAX's cache is keyed on the lowered program, so every hit still traces and lowers it first: on
 the H200 machine a warm start spent 26 s of thread time lowering the 14 programs a first request
 needs (the step and decode programs, 4-6 s each, taking turns on the GIL) against 2.6 s loading
-them. This store keys an executable on what determines it before tracing: the program's name, its
+them. This store keys an executable on what determines it before tracing: the program's name and
+compiler options (a jitted program's `compiler_options` attribute, set where it is made), its
 static arguments, its arguments' shapes, dtypes and shardings, the model (config, dtype, graph
 and parameter structure), the source of jpaged and its kernels, and the jax install and devices
 (see `Store.key`). A hit deserializes the executable (`jax.experimental.serialize_executable`);
@@ -90,7 +91,8 @@ class Store:
         """A digest of everything that decides the executable of program(*specs, **static)."""
         leaves, treedef = jax.tree_util.tree_flatten(specs)
         name = f"{getattr(program, '__module__', '')}.{getattr(program, '__qualname__', '')}"
-        parts = (name, _install_fingerprint(), self.context, repr(treedef),
+        options = sorted(getattr(program, "compiler_options", {}).items())  # jit can't tell
+        parts = (name, options, _install_fingerprint(), self.context, repr(treedef),
                  [_spec_fingerprint(leaf) for leaf in leaves],
                  sorted((k, _static_repr(v)) for k, v in static.items()))
         return hashlib.sha256(repr(parts).encode()).hexdigest()
