@@ -150,19 +150,18 @@ def test_a_step_scores_at_most_its_share_of_positions(path, engines, monkeypatch
     """With the per-step cap at 5, prompts of 37 and 23 tokens (prompt logprobs) and a score
     request are cut into more steps, no step scores more than 5 positions, and every number is
     still transformers'."""
-    from jpaged.engine import executor as executor_module
-    from jpaged.engine import scheduler
+    from jpaged.engine import batch_arrays, scheduler
 
     monkeypatch.setattr(scheduler, "SCORED_POSITIONS_PER_STEP", 5)
     counts = []
-    scored_positions = executor_module._scored_positions
+    scored_positions = batch_arrays.scored_positions
 
     def counted(rows):
         scored = scored_positions(rows)
         counts.append(len(scored[0]))
         return scored
 
-    monkeypatch.setattr(executor_module, "_scored_positions", counted)
+    monkeypatch.setattr(batch_arrays, "scored_positions", counted)
     engine = engines[False]
     prompts = tokens_of([37, 23], seed=6)
     for output in run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=2,

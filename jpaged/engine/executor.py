@@ -1,6 +1,7 @@
 """The executor: all device state (block-manager pytree, KV cache, swap store, model
-parameters), block operations applied in the ledger's order, input building, dispatch of the
-jitted programs of `device_step.py`, compilation accounting and warm-up.
+parameters), block operations applied in the ledger's order, dispatch of the jitted programs of
+`device_step.py` on inputs packed from `batch_arrays.py`'s host arrays, compilation accounting
+and warm-up.
 
 One step takes one host-to-device transfer (its `StepInputs` packed into one buffer) and returns
 one device-to-host transfer of the sampled tokens; a decode loop likewise, and a chained loop one
@@ -27,25 +28,14 @@ from jpaged import kv_cache, parallel
 from jpaged.blocks import allocator
 from jpaged.blocks.ops import BlockOp, bucket
 from jpaged.blocks.swap import SwapStore, transfer_rate_probe
-from jpaged.engine.device_step import (DecodeInputs, DecodeResult, StepInputs, decode_loop,
-                                       fresh_result, pack, result_layout, split_model,
-                                       step_program, unpack_host)
-from jpaged.engine import compile_cache, warmup
+from jpaged.engine.device_step import (DecodeResult, decode_loop, fresh_result, pack,
+                                       result_layout, split_model, step_program, unpack_host)
+from jpaged.engine import batch_arrays, compile_cache, warmup
 from jpaged.engine.executable_store import Store
 from jpaged.engine.programs import Programs
-from jpaged.logprobs import SCORED_POSITIONS_PER_STEP, PositionRows
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
-from jpaged.sampling import (MAX_LOGPROBS, SamplingParams, SamplingRow, SamplingTensors,
-                             sampler_mode)
-
-
-def loop_sampler(sampling_rows, num_logprobs: int) -> str:
-    """The decode loop's sampler mode. Loops with top logprobs take "sort" for any sampled row
-    ("sort" is exact for rows that filter nothing), which spares compiling a "random" variant of
-    every logprobs loop; logprobs requests are rare and pay their top-k anyway."""
-    mode = sampler_mode(sampling_rows)
-    return "sort" if num_logprobs and mode == "random" else mode
+from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow
 
 
 class StepFailed(Exception):
@@ -246,7 +236,7 @@ class Executor:
                 sampling_rows.append((index, SamplingRow(row.request.params, row.request.seed,
                                                          sample_index, position)))
                 targets.append((row, sample_index))
-        scored, scored_rows = _scored_positions(rows)
+        scored, scored_rows = batch_arrays.scored_positions(rows)
         num_logprobs = max(row.request.params.logprobs or 0 for row in rows)
         out, scored_out = self._execute(
             inputs, sampling_rows, num_logprobs, scored,
@@ -274,25 +264,15 @@ class Executor:
     def decode_inputs(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
                       max_steps: int, max_model_len: int, num_logprobs: int) -> tuple:
         """A fresh loop's device inputs, as `_launch` and `loop_call` take them (but num_rows)."""
-        batch = bucket(len(rows), 4, self.max_num_seqs)
-        width = bucket(max((len(ids) for ids in stop_ids), default=1), 16, 1 << 16)
-        token_ids = np.zeros(batch, np.int32)
-        seq_ids = np.full(batch, -1, np.int32)
-        remaining_arr = np.zeros(batch, np.int32)
-        stop_arr = np.full((batch, width), -1, np.int32)
-        for index, ((seq_id, token), left, ids) in enumerate(zip(rows, remaining, stop_ids)):
-            token_ids[index], seq_ids[index], remaining_arr[index] = token, seq_id, left
-            stop_arr[index, :len(ids)] = ids
-        sampling = SamplingTensors.from_rows([r for r in sampling_rows], batch)
-        inputs = DecodeInputs(token_ids, seq_ids, sampling, remaining_arr, stop_arr,
-                              np.int32(num_steps))
+        inputs, size, width = batch_arrays.loop_arrays(rows, sampling_rows, remaining, stop_ids,
+                                                num_steps, max_num_seqs=self.max_num_seqs)
         static = dict(max_steps=max_steps, max_model_len=max_model_len,
                       num_logprobs=MAX_LOGPROBS if num_logprobs else 0,
-                      sampler=loop_sampler(sampling_rows, num_logprobs),
+                      sampler=batch_arrays.loop_sampler(sampling_rows, num_logprobs),
                       logprobs_mode=self.logprobs_mode)
         packed, layout = pack(inputs)
-        fresh = self._fresh_result_and_control(batch, static)
-        return (self._put(packed), *fresh, layout, (batch, width), static)
+        fresh = self._fresh_result_and_control(size, static)
+        return (self._put(packed), *fresh, layout, (size, width), static)
 
     def continue_decode(self, previous: "LaunchedLoop", keep, num_steps: int) -> "LaunchedLoop":
         """Dispatch the next loop straight from the previous one's device results (its last
@@ -397,40 +377,12 @@ class Executor:
                                 first_only=first_only, progress=progress)
 
     def _build_inputs(self, rows, sampling_rows, scored=()):
-        num_tokens = sum(len(tokens) for _, tokens in rows)
-        is_decode = all(len(tokens) == 1 for _, tokens in rows)
-        # Decode steps bucket the batch; mixed steps bucket only the tokens and keep every row
-        # (padded rows cost the kernels nothing), so compilations stay few.
-        if is_decode:
-            batch = size = samples = bucket(len(rows), 4, self.max_num_seqs)
-        else:
-            batch = samples = self.max_num_seqs
-            size = bucket(num_tokens, 128, self.max_num_batched_tokens)
-        self.num_padded_tokens += size
-        self.num_real_tokens += num_tokens
-        token_ids = np.zeros(size, np.int32)
-        seq_ids = np.full(batch, -1, np.int32)
-        query_lens = np.zeros(batch, np.int32)
-        row_start = np.zeros(len(rows), np.int32)
-        offset = 0
-        for index, (seq_id, tokens) in enumerate(rows):
-            token_ids[offset:offset + len(tokens)] = tokens
-            seq_ids[index], query_lens[index] = seq_id, len(tokens)
-            row_start[index] = offset
-            offset += len(tokens)
-        last_token = row_start + query_lens[:len(rows)] - 1
-        logits_indices = np.zeros(samples, np.int32)
-        logits_indices[:len(sampling_rows)] = [last_token[row] for row, _ in sampling_rows]
-        sampling = SamplingTensors.from_rows([r for _, r in sampling_rows], samples)
-        positions = None
-        if scored:
-            positions = PositionRows.from_lists(
-                [row_start[row] + at for row, at, _, _ in scored], [t for _, _, t, _ in scored],
-                [temperature for _, _, _, temperature in scored],
-                bucket(len(scored), 16, max(16, min(self.max_num_batched_tokens,
-                                                    SCORED_POSITIONS_PER_STEP))))
-        return StepInputs(token_ids, seq_ids, query_lens, logits_indices, sampling,
-                          positions), is_decode
+        inputs, is_decode, padded, real = batch_arrays.step_arrays(
+            rows, sampling_rows, scored, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens)
+        self.num_padded_tokens += padded
+        self.num_real_tokens += real
+        return inputs, is_decode
 
     # ---- weights ----------------------------------------------------------------------------
     @functools.cached_property
@@ -499,19 +451,3 @@ def _samples(out, begin: int, end: int) -> Samples:
     return Samples(out.token_ids[begin:end].tolist(), out.logprobs[begin:end].tolist(),
                    out.top_ids[begin:end], out.top_logprobs[begin:end],
                    out.ranks[begin:end].tolist())
-
-
-def _scored_positions(rows):
-    """The prompt positions this step's rows must score (`Request.scored_range`):
-    ([(row index, token offset in the row, target, temperature)],
-     [(row, first token index, (begin, end) into the first list)])."""
-    scored, scored_rows = [], []
-    for index, row in enumerate(rows):
-        positions = row.request.scored_range(row.start, row.num_tokens)
-        if not positions:
-            continue
-        prompt, begin = row.request.prompt_token_ids, len(scored)
-        scored += [(index, j - row.start, prompt[j + 1], row.request.score_temperature)
-                   for j in positions]
-        scored_rows.append((row, positions.start, (begin, len(scored))))
-    return scored, scored_rows

@@ -1,7 +1,7 @@
 """Warm-up: which programs a start compiles, in which order, and the progress line.
 
 Every bucket shape gets a program: for each batch bucket B, decode loops (greedy, random and sort
-samplers; with top logprobs greedy and sort, see `executor.loop_sampler`) and a single decode
+samplers; with top logprobs greedy and sort, see `batch_arrays.loop_sampler`) and a single decode
 step; a mixed step per token bucket T; each with and without top logprobs; one program per block
 operation, and the swap transfers. The programs a first request needs (the smallest buckets, no
 logprobs, every block operation) are compiled before the engine is ready; the rest are queued
