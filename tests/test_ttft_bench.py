@@ -42,7 +42,10 @@ def test_table_rows_match_first_tokens_and_compile_nothing_while_timing(table):
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         ours, theirs, ratio = float(cells[2]), float(cells[3]), float(cells[4])
-        assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, rel=0.02, abs=0.01)
+        # the times are printed to 0.1 ms and the ratio from the unrounded times to 0.01
+        half = 0.05
+        assert ours > 0 and theirs > half
+        assert (ours - half) / (theirs + half) - 0.005 <= ratio <= (ours + half) / (theirs - half) + 0.005
         assert "COMPILED" not in cells[5]
     assert rows[0].endswith("| first tokens equal 1/1 |")
     assert rows[2].endswith("| first tokens equal 3/3; torch: forwards of 3 prompts |")
