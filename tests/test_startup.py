@@ -2,6 +2,8 @@
 starts), how many programs a start compiles, and background compilation (a dispatch waits for a
 program compiling on the pool and never compiles it twice)."""
 
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -251,6 +253,35 @@ def test_the_pool_lowers_a_bounded_number_at_once_and_a_dispatch_never_waits(mon
     with programs._LOWERING:   # every pool turn taken: the dispatching thread must not wait
         executable, is_new = pool.executable(("slow", 7), program, (jnp.zeros(3),), {"tag": 7})
     assert is_new and float(executable(jnp.zeros(3))[0]) == 7.0
+
+
+_EXIT_WHILE_COMPILING = """
+import time
+import jax, jax.numpy as jnp, numpy as np
+from jpaged.engine.programs import Programs
+
+@jax.jit
+def slow(x):
+    for i in range(300):
+        x = jnp.sin(x) * (i + 1.0) + jnp.cos(x[::-1])
+    return x
+
+pool = Programs()
+futures = [pool.submit(("slow", n), slow, (np.zeros(64 + n, np.float32),), {}) for n in range(8)]
+time.sleep(0.3)
+assert not futures[0].done()
+print("done", flush=True)
+"""
+
+
+def test_a_process_that_ends_while_programs_compile_exits_cleanly():
+    """A script that is done while warm-up still compiles behind it exits with status 0: the
+    queued compiles are dropped and the running ones finish (a thread killed inside XLA's
+    compiler aborts the process)."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_COMPILING], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "done\n" and "terminate called" not in done.stderr
 
 
 def test_store_keys_differ_by_compiler_options_and_static_arguments(tmp_path):

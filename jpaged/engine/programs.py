@@ -9,6 +9,7 @@ cache shared them before compilation moved ahead of time. XLA releases the GIL w
 compiles, so the pool's threads compile in parallel; tracing and lowering take turns on it.
 """
 
+import atexit
 import os
 import queue
 import threading
@@ -40,27 +41,51 @@ jax.monitoring.register_event_listener(_count_cache_hit)
 
 class _Pool:
     """The process's compile threads, started on first use. Daemon threads: a process that is
-    done exits without waiting for programs still compiling in the background."""
+    done exits without waiting for the programs still queued. At exit the queue is dropped and
+    the compiles already running are waited for: a thread killed inside XLA's compiler aborts
+    the process (exit status 134 for a script that was done)."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._closing = False
 
     def submit(self, fn, *args):
         with self._lock:
+            if self._closing:
+                return
             if not self._threads:
                 self._threads = [threading.Thread(target=self._work, daemon=True,
                                                   name=f"jpaged-compile-{index}")
                                  for index in range(os.cpu_count() or 1)]
                 for thread in self._threads:
                     thread.start()
+                atexit.register(self.close)
         self._queue.put((fn, args))
+
+    def close(self):
+        """Drop the queued work, let each thread finish what it is running, and join them."""
+        with self._lock:
+            self._closing = True
+            threads = self._threads
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        for _ in threads:
+            self._queue.put(None)
+        for thread in threads:
+            thread.join()
 
     def _work(self):
         _COMPILING.is_pool = True
         while True:
-            fn, args = self._queue.get()
+            work = self._queue.get()
+            if work is None:
+                return
+            fn, args = work
             fn(*args)
 
 
