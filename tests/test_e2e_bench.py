@@ -97,3 +97,34 @@ def test_step_breakdown_sorts_time_by_kind_and_tail():
     # 0.14 s of 0.89 s in all; 56 tokens / 0.14 s = 400 tokens/s; 3.5 sequences a step
     assert last == ("| jpaged K=8 | decode loop | tail | 2 | 0.14 | 15.7% | 0.04 | 0.10 | 56 | "
                     "400 | 3.5 | 0 |")
+
+
+def test_a_timed_second_pass_compiles_nothing_and_counts_its_own_tokens():
+    """--passes 2: the second pass of the trace runs on the programs the first compiled, so it
+    compiles nothing; tokens, preemptions and the note are the second pass's own."""
+    import argparse
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jpaged.models.llama import LlamaForCausalLM
+
+    config = ModelConfig.preset("tiny")
+    model = LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    trace = [TraceRequest(0.0, 20, 5), TraceRequest(0.0, 33, 9), TraceRequest(0.0, 7, 17)]
+    prompts = e2e.trace_prompts(trace, config.vocab_size)
+    args = argparse.Namespace(budget_seqs=2, max_model_len=64, max_num_seqs=8,
+                              max_num_batched_tokens=64, tail_seqs=2, passes=2)
+    result, engine = e2e.run_jpaged(model, trace, prompts, args, block_size=16, num_steps=4,
+                                    keep_engine=True)
+    assert result["compile_seconds"] == 0 and result["wall"] == result["wall_with_compile"]
+    assert result["output_tokens"] == 31 and engine.num_generated_tokens == 62
+    assert "second pass (the first: " in result["note"] and result["note"].endswith(
+        "; nothing compiled")
+    assert sum(row["generated"] for row in result["steps"]) == 31
+    # one pass: a new engine of this process shares the programs, so it compiles nothing either
+    single, _ = e2e.run_jpaged(model, trace, prompts, argparse.Namespace(**{**vars(args),
+                                                                           "passes": 1}),
+                               block_size=16, num_steps=4)
+    assert single["output_tokens"] == 31 and single["note"].endswith(
+        "; one pass; compile 0 s subtracted")
