@@ -13,6 +13,7 @@ import types
 import weakref
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,13 +104,20 @@ def on_a(llm, dirs):
     return llm
 
 
-@pytest.mark.parametrize("source", ["numpy", "jax", "directory"])
+def _pinned(arrays: dict) -> dict:
+    """The arrays as jax arrays in pinned host memory (a trainer's offloaded copy)."""
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    return {name: jax.device_put(array, host) for name, array in arrays.items()}
+
+
+@pytest.mark.parametrize("source", ["numpy", "jax", "pinned_host", "directory"])
 def test_update_gives_b_tokens_without_compiling_or_stale_prefix(compiled_at_start, on_a, dirs,
                                                                  source):
     llm = on_a
     assert llm.stats()["num_cached_blocks"] > 0          # A's prompt blocks are cached
     weights = {"numpy": lambda: tensors(dirs["b"]),
                "jax": lambda: {n: jnp.asarray(a) for n, a in tensors(dirs["b"]).items()},
+               "pinned_host": lambda: _pinned(tensors(dirs["b"])),
                "directory": lambda: dirs["b"]}[source]()
     assert llm.update_weights(weights) is None
     assert llm.stats()["num_cached_blocks"] == 0
@@ -120,6 +128,7 @@ def test_update_gives_b_tokens_without_compiling_or_stale_prefix(compiled_at_sta
     got = llm.get_weights()
     for name, array in tensors(dirs["b"]).items():
         np.testing.assert_array_equal(np.asarray(got[name]), array, err_msg=name)
+        assert got[name].sharding.memory_kind == "device", name
 
 
 def test_get_weights_round_trips_on_the_engine(on_a, dirs):

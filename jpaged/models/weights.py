@@ -152,9 +152,11 @@ def _placed(plan, tensors, current: dict):
 
 def _transfer(pool, array, sharding) -> Future:
     """A future of `array` on `sharding`: a host array as it is (no host copy or cast); a jax
-    array moved only when it lives on other devices (it is cast with the transpose, on the
-    device), else at once as it is."""
-    if isinstance(array, np.ndarray) or array.sharding.device_set != sharding.device_set:
+    array moved only when it lives on other devices or in another memory (e.g. pinned host
+    memory: a direct transfer), else at once as it is (cast with the transpose, on the
+    device)."""
+    if isinstance(array, np.ndarray) or array.sharding.device_set != sharding.device_set \
+            or array.sharding.memory_kind != sharding.memory_kind:
         return pool.submit(jax.device_put, array, sharding)
     done = Future()
     done.set_result(array)
