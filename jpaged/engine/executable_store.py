@@ -14,8 +14,9 @@ may still hit, and the compiled program is stored for next time.
 
 Entries live in `<compilation cache directory>/executables/<source fingerprint>/`: an edit to the
 code starts a new directory and the least recently used ones beyond KEEP_SOURCES are removed.
-Only executables this process wrote itself are ever loaded from there (the user's own cache
-directory): loading one runs code, like any compiled program.
+Entries are loaded from the user's own cache directory only, where jpaged wrote them: loading
+one runs its code, like any compiled program, so the directory must not be shared with
+untrusted writers.
 """
 
 import functools
