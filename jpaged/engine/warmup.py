@@ -72,14 +72,52 @@ def compile_programs(executor, *, max_steps: int, max_model_len: int, first_only
     for call, future in zip(first, futures):
         future.add_done_callback(functools.partial(reporter.done, call[0]))
     for operation in OPERATIONS:
-        operation.warm_up(executor)
-        reporter.done((operation.kind,))
+        submitting = _Submitting(executor)
+        operation.warm_up(submitting)
+        futures += submitting.futures
+        _when_all_done(submitting.futures, functools.partial(reporter.done, (operation.kind,)))
     for future in futures:
         future.result()
     for call in rest:
         executor.programs.submit(*call).add_done_callback(
             functools.partial(reporter.done, call[0]))
     executor.num_padded_tokens = executor.num_real_tokens = 0
+
+
+class _Submitting:
+    """The executor as a block operation sees it at warm-up: a dispatch queues its program on
+    the compile pool and returns its first argument (the manager or cache that an operation on
+    padding returns unchanged), so the operations' programs compile (or load) side by side with
+    a first request's instead of one after another on this thread."""
+
+    def __init__(self, executor):
+        self._executor = executor
+        self.futures = []
+
+    def __getattr__(self, name):
+        return getattr(self._executor, name)
+
+    def dispatch(self, key: tuple, program, *args, **static):
+        self.futures.append(self._executor.programs.submit(key, program, args, static))
+        return args[0]
+
+
+def _when_all_done(futures: list, callback):
+    """callback() once every future is done (at once when there are none)."""
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    if not futures:
+        callback()
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 class Progress:
