@@ -227,3 +227,18 @@ def test_packing_by_slices_equals_the_row_map(packed):
     unpacked = packed.unpack(expected)
     for name, part in zip(packed.parts, parts):
         np.testing.assert_array_equal(unpacked[name], part)
+
+
+@pytest.mark.parametrize("host_limit", [0, 1 << 30])
+def test_projections_are_placed_transposed_on_the_device_or_the_host(monkeypatch, host_limit):
+    """A projection's checkpoint tensor [out, in] is stored [in, out]: transposed by a device
+    program, or on the host when it is small (limit 0: always the device); other tensors as
+    they are."""
+    from jpaged.models import loader
+
+    monkeypatch.setattr(loader, "HOST_TRANSPOSE_BYTES", host_limit)
+    weight = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    placed = loader.place_parameter("model.layers.0.self_attn.o_proj.weight", weight.copy(), None)
+    np.testing.assert_array_equal(np.asarray(placed), weight.T)
+    norm = loader.place_parameter("model.norm.weight", weight[0].copy(), None)
+    np.testing.assert_array_equal(np.asarray(norm), weight[0])
