@@ -2,10 +2,12 @@
 starts), how many programs a start compiles, and background compilation (a dispatch waits for a
 program compiling on the pool and never compiles it twice)."""
 
+import os
 import subprocess
 import sys
 import threading
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -282,6 +284,16 @@ def test_a_process_that_ends_while_programs_compile_exits_cleanly():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "done\n" and "terminate called" not in done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread priority here")
+def test_compile_threads_run_at_a_lower_priority_than_the_process():
+    """Compiles behind ready yield the processor to the thread serving requests."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)     # this (the calling) thread's
+    done = Future()
+    programs._POOL.submit(lambda: done.set_result(
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    assert done.result(timeout=60) == min(19, base + programs.POOL_NICENESS)
 
 
 def test_store_keys_differ_by_compiler_options_and_static_arguments(tmp_path):
