@@ -168,9 +168,11 @@ OPTIONS: tuple[Option, ...] = (
            "(needs warmup)", boolean),
     Option("compilation_cache_dir", str, None, "persist compiled programs here so a restart "
            "skips compiling (None: $XDG_CACHE_HOME/jpaged or ~/.cache/jpaged; False: no "
-           "persistent cache; a process-wide JAX setting). Programs are stored by what "
-           "decides them (program, shapes, model, jpaged's source, jax install), so a warm "
-           "start loads them without tracing; an edit to jpaged starts new entries",
+           "persistent cache). Programs are stored by what decides them (program, shapes, "
+           "model, jpaged's source, jax install, host processor), so a warm start loads them "
+           "without tracing; each entry is checked against its caller's shapes before use, "
+           "and one that fails is dropped and compiled again; an edit to jpaged starts new "
+           "entries. JAX's own process-wide cache is left as the user set it",
            directory_or_off,
            is_decided_at_start=True, off_flag="--no-compilation-cache"),
     Option("enable_prefix_caching", bool, True, "reuse the KV blocks of prompt prefixes already "

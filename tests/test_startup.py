@@ -49,12 +49,6 @@ def forget_compiled():
     jax.clear_caches()
 
 
-@pytest.fixture
-def cache_off():
-    yield
-    compile_cache.configure(False)   # the cache is process-wide: leave it as other tests expect
-
-
 def test_first_programs_then_the_rest_in_the_background_with_no_compile_after():
     """compile_programs returns with a first request's programs compiled; the request then
     compiles nothing (the ahead-of-time executables are the ones run). First in the file: the
@@ -69,7 +63,7 @@ def test_first_programs_then_the_rest_in_the_background_with_no_compile_after():
     assert not engine.executor.last_step_compiled
 
 
-def test_default_directory_follows_xdg_cache_home(monkeypatch, tmp_path, cache_off):
+def test_default_directory_follows_xdg_cache_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache.default_directory() == tmp_path / "xdg" / "jpaged"
     engine = LLMEngine.from_pretrained(None, **SMALL)
@@ -78,19 +72,22 @@ def test_default_directory_follows_xdg_cache_home(monkeypatch, tmp_path, cache_o
     assert used.parent == tmp_path / "xdg" / "jpaged"
     device = jax.devices()[0]
     assert jax.__version__ in used.name and device.platform in used.name
-    assert jax.config.jax_compilation_cache_dir == str(used)
+    # jpaged keeps its own store there and leaves JAX's process-wide cache alone: an
+    # executable JAX's cache supplied cannot be stored again safely (see executable_store).
+    assert jax.config.jax_compilation_cache_dir is None
+    assert used.is_dir()
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compile_cache.default_directory() == tmp_path / "home" / ".cache" / "jpaged"
 
 
-def test_false_turns_the_cache_off(cache_off):
+def test_false_turns_the_cache_off():
     engine = LLMEngine.from_pretrained(None, compilation_cache_dir=False, **SMALL)
     assert engine.executor.compilation_cache_dir is None
     assert jax.config.jax_compilation_cache_dir is None
 
 
-def test_unwritable_directory_warns_once_and_the_engine_works(tmp_path, cache_off):
+def test_unwritable_directory_warns_once_and_the_engine_works(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     reference = generate(LLMEngine.from_pretrained(None, compilation_cache_dir=False, **SMALL))
@@ -103,7 +100,7 @@ def test_unwritable_directory_warns_once_and_the_engine_works(tmp_path, cache_of
     assert engine.executor.compilation_cache_dir is None and tokens == reference
 
 
-def test_warm_start_loads_from_the_cache_and_survives_corrupt_entries(tmp_path, cache_off):
+def test_warm_start_loads_from_the_cache_and_survives_corrupt_entries(tmp_path):
     directory = tmp_path / "cache"
     forget_compiled()
     cold = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
@@ -120,7 +117,7 @@ def test_warm_start_loads_from_the_cache_and_survives_corrupt_entries(tmp_path, 
         path.write_bytes(b"\x00garbage" * 3)
     forget_compiled()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # JAX warns once per unreadable entry
+        warnings.simplefilter("ignore")   # the store warns once per unreadable entry
         broken = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory), **SMALL)
         assert generate(broken) == reference
     assert broken.executor.programs.num_cache_hits == 0
@@ -185,7 +182,7 @@ def test_server_flags_set_or_turn_off_the_cache(tmp_path):
         str(tmp_path)
 
 
-def test_a_warm_start_takes_its_programs_from_the_store_without_lowering(tmp_path, cache_off,
+def test_a_warm_start_takes_its_programs_from_the_store_without_lowering(tmp_path,
                                                                           monkeypatch):
     """A second engine on the same directory (as a new process: nothing in memory) loads every
     program from the store, lowers none, and generates the same tokens; a different model
@@ -210,8 +207,8 @@ def test_a_warm_start_takes_its_programs_from_the_store_without_lowering(tmp_pat
 
     loaded = []
     load = Store.load
-    monkeypatch.setattr(Store, "load", lambda self, key: loaded.append(load(self, key))
-                        or loaded[-1])
+    monkeypatch.setattr(Store, "load", lambda self, key, specs: loaded.append(
+        load(self, key, specs)) or loaded[-1])
     forget_compiled()
     other = LLMEngine.from_pretrained(None, compilation_cache_dir=str(directory),
                                       dtype="bfloat16", **SMALL)

@@ -1,11 +1,10 @@
-"""The persistent compilation cache: where compiled programs are kept between processes (JAX's
-persistent cache, in the user's cache directory by default), and turning it on or off.
+"""The persistent compilation cache: where compiled programs are kept between processes (the
+program store, `executable_store.py`, in the user's cache directory by default), and turning it
+on or off.
 
-The cache is a process-wide JAX setting: every engine in a process shares it, and the last engine
-built decides the directory. Entries live in a subdirectory named after the jax version, the
-backend and the device kind: JAX's own cache key already hashes the jaxlib version, the platform
-and the devices, and the name keeps entries of different installs apart even where it would not
-(the jax Python version is not in the key), and makes a stale directory easy to delete.
+Entries live in a subdirectory named after the jax version, the backend and the device kind:
+the store's key holds all of these too, and the name keeps entries of different installs apart
+and makes a stale directory easy to delete.
 """
 
 import os
@@ -14,7 +13,6 @@ import warnings
 from pathlib import Path
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 
 
 def default_directory() -> Path:
@@ -43,27 +41,20 @@ def _writable(directory: Path) -> str | None:
 
 
 def configure(directory) -> Path | None:
-    """Use the persistent cache under `directory` (False or None: no persistent cache). Returns
-    the directory entries go to, or None when the cache is off. A directory that cannot be
-    written turns the cache off with one warning; the engine then compiles as without it.
+    """The directory the program store keeps its entries in, under `directory` (False or None:
+    no persistent cache), or None when the cache is off. A directory that cannot be written
+    turns the cache off with one warning; the engine then compiles as without it.
 
-    Every program is cached, however small or quick to compile: JAX's thresholds (compile time,
-    entry size) would skip the block operations and small steps, which together are most of a
-    start's programs."""
-    path = None
-    if directory:
-        path = versioned_directory(directory)
-        problem = _writable(path)
-        if problem:
-            warnings.warn(f"the compilation cache directory {path} cannot be written "
-                          f"({problem}); compiling without a persistent cache", stacklevel=3)
-            path = None
-    current = jax.config.jax_compilation_cache_dir
-    wanted = None if path is None else str(path)
-    if wanted != current:
-        jax.config.update("jax_compilation_cache_dir", wanted)
-        compilation_cache.reset_cache()   # JAX reads the directory once, at its first compile
-    if path is not None:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    JAX's own persistent cache is not turned on: an executable it supplies cannot be stored
+    again faithfully (`executable_store`'s docstring), and every program an engine compiles
+    goes through the store. A process that turned it on itself keeps it; the store then never
+    keeps an executable that came from it."""
+    if not directory:
+        return None
+    path = versioned_directory(directory)
+    problem = _writable(path)
+    if problem:
+        warnings.warn(f"the compilation cache directory {path} cannot be written "
+                      f"({problem}); compiling without a persistent cache", stacklevel=3)
+        return None
     return path

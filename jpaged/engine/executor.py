@@ -120,10 +120,10 @@ class Executor:
         """program(*args, **static) through the executable compiled for shape `key`: the first
         call of a key compiles it, counted (and an error once strict compilation is on); a key
         still compiling in the background is waited for, never compiled twice."""
-        executable, is_new = self.programs.executable(key, program, args, static)
+        out, is_new = self.programs.run(key, program, args, static)
         if key[0] in ("step", "decode"):
             self.last_step_compiled = is_new
-        return executable(*args)
+        return out
 
     @property
     def strict_compilation(self) -> bool:

@@ -7,6 +7,10 @@ pool waits for that compile, it never starts a second one. Executables are also 
 engines of one process (the same program, static arguments and argument shapes), as jit's own
 cache shared them before compilation moved ahead of time. XLA releases the GIL while it
 compiles, so the pool's threads compile in parallel; tracing and lowering take turns on it.
+
+An executable from the program store runs under watch the first time (`Programs.run`): the
+inputs it donates are copied to the host first, and if it fails, its entry is dropped, the
+program compiled and run again on the copies, so no request sees a bad entry.
 """
 
 import atexit
@@ -18,6 +22,8 @@ from concurrent.futures import Future
 
 import jax
 import numpy as np
+
+from jpaged.engine.executable_store import program_name
 
 _SHARED: dict = {}                  # signature -> Future of an executable, process-wide
 _SHARED_LOCK = threading.Lock()
@@ -34,6 +40,12 @@ _LOWERING = threading.BoundedSemaphore(LOWERING_THREADS)
 # share the machine with a first request. CPU, 2 cores, LLM() with warm-up on an empty cache
 # (6 starts each, medians): first generate 0.31 -> 0.25 s, ready 10.4 -> 9.7 s.
 POOL_NICENESS = 10
+
+# A stored program's first run keeps host copies of the inputs it donates, to run again on them
+# if it fails, where those inputs are at most this large (the block-manager state always; the
+# KV cache of small engines). A larger donation is not copied: a failure there loses the
+# engine's device state, as any failed step does.
+RECOVERABLE_BYTES = 256 * 2**20
 
 
 def _count_cache_hit(event: str, **kwargs):
@@ -104,6 +116,18 @@ class _Pool:
 _POOL = _Pool()
 
 
+class StoredExecutable:
+    """An executable loaded from the program store, with its store key; `checked` once it has
+    run successfully in this process."""
+    __slots__ = ("compiled", "store_key", "checked")
+
+    def __init__(self, compiled, store_key: str):
+        self.compiled, self.store_key, self.checked = compiled, store_key, False
+
+    def __call__(self, *args):
+        return self.compiled(*args)
+
+
 def clear_shared():
     """Forget the executables engines share (with `jax.clear_caches`, to release their memory)."""
     with _SHARED_LOCK:
@@ -140,6 +164,7 @@ class Programs:
         self.compile_seconds = 0.0   # summed over threads, compiles of this engine only
         self.num_compiled = 0        # compiled (or loaded from the persistent cache) here
         self.num_cache_hits = 0      # of those, loaded from the persistent cache
+        self._rejected: set[str] = set()   # store keys whose entries failed: never loaded again
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -147,14 +172,61 @@ class Programs:
     def __contains__(self, key) -> bool:
         return key in self._entries
 
-    def executable(self, key: tuple, program, args: tuple, static: dict):
+    def run(self, key: tuple, program, args: tuple, static: dict):
+        """(program(*args, **static) through the executable of `key`, is_new): see
+        `executable`. A stored executable's first run is watched (the module's docstring)."""
+        executable, is_new = self.executable(key, program, args, static)
+        if isinstance(executable, StoredExecutable) and not executable.checked:
+            return self._first_run(key, program, executable, args, static), is_new
+        return executable(*args), is_new
+
+    def _first_run(self, key: tuple, program, executable: StoredExecutable, args: tuple,
+                   static: dict):
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        specs = argument_specs(args)   # a failed run may have deleted the donated arrays
+        donated = [info.donated for info in jax.tree_util.tree_leaves(
+            executable.compiled.args_info)]
+        size = sum(leaf.nbytes for leaf, is_donated in zip(leaves, donated) if is_donated)
+        # np.array copies: np.asarray of a CPU array may view the buffer a donation reuses.
+        copies = ([np.array(leaf) if is_donated else None
+                   for leaf, is_donated in zip(leaves, donated)]
+                  if size <= RECOVERABLE_BYTES else None)
+        try:
+            out = jax.block_until_ready(executable(*args))
+        except Exception as err:
+            self._forget(key, program, specs, static, executable,
+                         f"its first run failed: {type(err).__name__}: {err}"[:300])
+            if copies is None:
+                raise
+            args = jax.tree_util.tree_unflatten(treedef, [
+                leaf if copy is None else jax.device_put(copy, spec.sharding)
+                for leaf, copy, spec in zip(leaves, copies, jax.tree_util.tree_leaves(specs))])
+            fresh, _ = self.executable(key, program, args, static, recompile=True)
+            return fresh(*args)
+        executable.checked = True
+        return out
+
+    def _forget(self, key, program, specs, static, executable: StoredExecutable, reason: str):
+        """Drop a stored executable that failed: its store entry, this engine's entry and the
+        process-wide one, so the next request for it compiles."""
+        self.store.remove(executable.store_key, reason)
+        with self._lock:
+            self._entries.pop(key, None)
+        with _SHARED_LOCK:
+            _SHARED.pop(_signature(program, specs, static), None)
+        with self._lock:
+            self._rejected.add(executable.store_key)
+
+    def executable(self, key: tuple, program, args: tuple, static: dict, *,
+                   recompile: bool = False):
         """(the compiled program of `key`, is_new). A new key compiles here and now; a key
-        compiling on the pool is waited for."""
+        compiling on the pool is waited for. recompile: a key dropped just now (strict
+        compilation allows it)."""
         with self._lock:
             future = self._entries.get(key)
             is_new = future is None
             if is_new:
-                if self.strict:
+                if self.strict and not recompile:
                     raise RuntimeError(f"shape {key} was not compiled at warm-up and strict "
                                        "compilation is on")
                 future = self._entries[key] = Future()
@@ -187,8 +259,7 @@ class Programs:
             future.set_exception(err)
 
     def _compile(self, program, specs: tuple, static: dict):
-        leaves, treedef = jax.tree_util.tree_flatten(specs)
-        signature = (program, tuple(sorted(static.items())), treedef, tuple(leaves))
+        signature = _signature(program, specs, static)
         with _SHARED_LOCK:
             shared = _SHARED.get(signature)
             is_owner = shared is None
@@ -213,16 +284,24 @@ class Programs:
 
     def _lowered_or_stored(self, program, specs: tuple, static: dict):
         """(executable, came from the store): the store's entry, else lowered and compiled
-        (then stored)."""
+        (then stored, unless JAX's persistent cache supplied it: see `executable_store`)."""
         if self.store is None:
             return _lowered(program, specs, static).compile(), False
         key = self.store.key(program, specs, static)
-        compiled = self.store.load(key)
+        compiled = None if key in self._rejected else self.store.load(key, specs)
         if compiled is not None:
-            return compiled, True
+            return StoredExecutable(compiled, key), True
+        hits = getattr(_COMPILING, "hits", 0)
         compiled = _lowered(program, specs, static).compile()
-        self.store.save(key, compiled)
+        if getattr(_COMPILING, "hits", 0) == hits:
+            self.store.save(key, compiled, program_name(program))
         return compiled, False
+
+
+def _signature(program, specs: tuple, static: dict) -> tuple:
+    """What makes two compiles the same program, for sharing executables in the process."""
+    leaves, treedef = jax.tree_util.tree_flatten(specs)
+    return (program, tuple(sorted(static.items())), treedef, tuple(leaves))
 
 
 def _lowered(program, specs: tuple, static: dict):
