@@ -474,7 +474,10 @@ def test_stream_with_n_ends_every_choice(app_client):
 
 @pytest.mark.parametrize("method", ["step", "add_request"])
 def test_engine_error_fails_that_request_and_the_next_one_works(app_client, method):
+    """A transient failure: its request gets a 500, the error is counted, /health stays 200
+    (one failed step is not a dead engine: tests/test_serve_health.py)."""
     engine = app_client.engine
+    before = _metrics(app_client.get("/metrics").text)["jpaged:engine_errors_total"]
 
     def fail_once(*args, **kwargs):
         del engine.__dict__[method]  # the class's method is back for the next call
@@ -488,7 +491,10 @@ def test_engine_error_fails_that_request_and_the_next_one_works(app_client, meth
     assert reply.status_code == 500 and "injected failure" in reply.json()["error"]["message"]
     values = _metrics(app_client.get("/metrics").text)
     assert values["jpaged:num_kv_blocks_used"] == 0
+    assert values["jpaged:engine_errors_total"] == before + 1
+    assert app_client.get("/health").status_code == 200
     assert app_client.post("/v1/completions", json=GOOD).status_code == 200
+    assert app_client.get("/health").status_code == 200
 
 
 def test_metrics_health_and_models(app_client):
@@ -500,7 +506,7 @@ def test_metrics_health_and_models(app_client):
                  "vllm:gpu_prefix_cache_hit_rate", "vllm:num_preemptions_total",
                  "vllm:generation_tokens_total", "jpaged:num_kv_blocks_used",
                  "jpaged:num_kv_blocks_free", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:time_per_output_token_seconds_bucket"):
+                 "vllm:time_per_output_token_seconds_bucket", "jpaged:engine_errors_total"):
         assert name in text, name
     values = _metrics(text)
     assert values["vllm:num_requests_swapped"] == 0
