@@ -551,7 +551,7 @@ def test_help_documents_every_flag(capsys):
                  "--gpu-memory-utilization", "--max-num-seqs", "--max-model-len",
                  "--preemption-mode", "--swap-space", "--enable-prefix-caching",
                  "--no-enable-prefix-caching", "--load-format", "--dtype", "--seed",
-                 "--attention-backend"):
+                 "--attention-backend", "--dead-engine-exit-delay"):
         assert flag in text, flag
     assert "127.0.0.1" in text
 
@@ -559,7 +559,11 @@ def test_help_documents_every_flag(capsys):
 @pytest.mark.parametrize("argv,flag", [(["--preemption-mode", "evict"], "--preemption-mode"),
                                        (["--preemption-mode", "swap", "--swap-space", "0"],
                                         "--preemption-mode"),
-                                       (["--swap-space", "-1"], "--swap-space")])
+                                       (["--swap-space", "-1"], "--swap-space"),
+                                       (["--dead-engine-exit-delay", "-1"],
+                                        "--dead-engine-exit-delay"),
+                                       (["--dead-engine-exit-delay", "nan"],
+                                        "--dead-engine-exit-delay")])
 def test_bad_flag_values_fail_at_startup_naming_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as exit_info:
         serve.parse_args(argv)
@@ -755,3 +759,5 @@ def test_api_key_flag_wins_over_the_environment(monkeypatch):
     monkeypatch.delenv("JPAGED_API_KEY")
     args = serve.parse_args(["--max-request-bytes", "1000"])
     assert (args.api_key, args.max_request_bytes) == (None, 1000)
+    assert args.dead_engine_exit_delay == 2.0
+    assert serve.parse_args(["--dead-engine-exit-delay", "0"]).dead_engine_exit_delay == 0.0
