@@ -17,17 +17,26 @@ ROOT = Path(__file__).resolve().parent.parent
 def running_server(flags: list[str], log_path: Path, timeout: float = 180):
     """Start the server with `flags`, wait until /health answers, yield its URL, stop it.
     The server compiles a first request's programs before /health answers."""
+    with server_process(flags, log_path, timeout=timeout) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(flags: list[str], log_path: Path, *, command=("-m", "jpaged.serve"),
+                   timeout: float = 180):
+    """`running_server` yielding (URL, the subprocess.Popen); `command` (after the python
+    executable, before the flags) may run a wrapper that takes the server's flags."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "jpaged.serve", "--host", "127.0.0.1", f"--port={port}",
-             *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+            [sys.executable, *command, "--host", "127.0.0.1", f"--port={port}", *flags],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(process, url, log_path, timeout)
-            yield url
+            yield url, process
         finally:
             process.terminate()
             try:

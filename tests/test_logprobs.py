@@ -14,6 +14,7 @@ from jpaged.engine.llm_engine import LLMEngine
 from jpaged.logprobs import PositionRows, given_token_logprobs
 from jpaged.serve import build_app, model_info
 from jpaged.serve.async_engine import AsyncEngine
+from tests.logprob_compare import assert_equal_but_floats_close
 
 NAME = "llama_gqa"
 # block_size 4 and 16-token steps: sequences cross block boundaries and prompts are chunked.
@@ -264,7 +265,12 @@ def test_server_prompt_logprobs_and_echo(path, client):
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     np.testing.assert_allclose(logprobs["token_logprobs"][1:len(prompt)],
                                table[np.arange(len(prompt) - 1), prompt[1:]], atol=TOLERANCE)
-    assert logprobs["token_logprobs"][len(prompt):] == plain["logprobs"]["token_logprobs"]
+    # The echo request also computes prompt logprobs, so its steps are chunked and batched
+    # unlike the plain one's: its completion's tokens are the same, its float32 logprobs equal
+    # only to a tolerance (tests/logprob_compare.py says why).
+    for key in ("tokens", "token_logprobs", "top_logprobs"):   # text_offset: checked below
+        assert_equal_but_floats_close(logprobs[key][len(prompt):], plain["logprobs"][key],
+                                      where=key)
     assert logprobs["text_offset"][len(prompt)] == len(choice["text"]) - len(plain["text"])
     chat = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0,
@@ -272,3 +278,19 @@ def test_server_prompt_logprobs_and_echo(path, client):
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
     bad = client.post("/v1/completions", json={**body, "prompt_logprobs": 21})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_the_across_requests_comparison_tells_rounding_from_a_different_reply():
+    from tests.logprob_compare import ACROSS_REQUESTS_ATOL as ATOL
+
+    seen = {"tokens": ["a", "b"], "token_logprobs": [-3.7172932624816895, -0.5],
+            "top_logprobs": [{"a": -3.7172932624816895}, {}], "text_offset": [0, 1]}
+    rounded = {**seen, "token_logprobs": [-3.7172935009002686, -0.5],
+               "top_logprobs": [{"a": -3.7172935009002686}, {}]}
+    assert_equal_but_floats_close(rounded, seen)
+    for wrong in ({**seen, "tokens": ["a", "c"]}, {**seen, "text_offset": [0, 2]},
+                  {**seen, "token_logprobs": [-3.7172932624816895, -0.5 - 2 * ATOL]},
+                  {**seen, "top_logprobs": [{"b": -3.7172932624816895}, {}]},
+                  {**seen, "token_logprobs": [None, -0.5]}):
+        with pytest.raises(AssertionError):
+            assert_equal_but_floats_close(wrong, seen)

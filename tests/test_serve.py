@@ -20,6 +20,7 @@ from jpaged.serve import openai_api as api
 from jpaged import serve
 from jpaged.serve.async_engine import AsyncEngine
 from jpaged.engine.builder import default_model_dir
+from tests.logprob_compare import assert_equal_but_floats_close
 from tests.server_process import running_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -426,6 +427,8 @@ def test_stream_with_n_and_logprobs_equals_full_reply(app_client, route):
     body = ({"messages": [{"role": "user", "content": "def add(a, b):"}], "logprobs": True,
              "top_logprobs": 2} if is_chat else {"prompt": PROMPTS[0], "logprobs": 2})
     body.update(n=2, max_tokens=16, temperature=1.0, seed=5, stop=["\n\n"])
+    # Two requests (the second may hit the first's cached prompt blocks): their tokens are equal,
+    # their float32 logprobs only to a tolerance (tests/logprob_compare.py says why).
     full = app_client.post(f"/v1/{route}", json=body).json()
     chunks = _stream_chunks(app_client, route, {**body, "stream_options": {"include_usage": True}})
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
@@ -438,13 +441,14 @@ def test_stream_with_n_and_logprobs_equals_full_reply(app_client, route):
         if is_chat:
             texts.append(choice["message"]["content"])
             assert "".join(c["delta"].get("content", "") for c in mine) == texts[-1]
-            assert ([item for lp in streamed_logprobs for item in lp["content"]]
-                    == choice["logprobs"]["content"])
+            assert_equal_but_floats_close(
+                [item for lp in streamed_logprobs for item in lp["content"]],
+                choice["logprobs"]["content"])
         else:
             texts.append(choice["text"])
             assert "".join(c["text"] for c in mine) == texts[-1]
-            assert {key: [v for lp in streamed_logprobs for v in lp[key]]
-                    for key in choice["logprobs"]} == choice["logprobs"]
+            assert_equal_but_floats_close({key: [v for lp in streamed_logprobs for v in lp[key]]
+                                           for key in choice["logprobs"]}, choice["logprobs"])
     assert len(set(texts)) == 2 and all(texts)
 
 
@@ -470,7 +474,10 @@ def test_stream_with_n_ends_every_choice(app_client):
 
 @pytest.mark.parametrize("method", ["step", "add_request"])
 def test_engine_error_fails_that_request_and_the_next_one_works(app_client, method):
+    """A transient failure: its request gets a 500, the error is counted, /health stays 200
+    (one failed step is not a dead engine: tests/test_serve_health.py)."""
     engine = app_client.engine
+    before = _metrics(app_client.get("/metrics").text)["jpaged:engine_errors_total"]
 
     def fail_once(*args, **kwargs):
         del engine.__dict__[method]  # the class's method is back for the next call
@@ -484,7 +491,10 @@ def test_engine_error_fails_that_request_and_the_next_one_works(app_client, meth
     assert reply.status_code == 500 and "injected failure" in reply.json()["error"]["message"]
     values = _metrics(app_client.get("/metrics").text)
     assert values["jpaged:num_kv_blocks_used"] == 0
+    assert values["jpaged:engine_errors_total"] == before + 1
+    assert app_client.get("/health").status_code == 200
     assert app_client.post("/v1/completions", json=GOOD).status_code == 200
+    assert app_client.get("/health").status_code == 200
 
 
 def test_metrics_health_and_models(app_client):
@@ -496,7 +506,7 @@ def test_metrics_health_and_models(app_client):
                  "vllm:gpu_prefix_cache_hit_rate", "vllm:num_preemptions_total",
                  "vllm:generation_tokens_total", "jpaged:num_kv_blocks_used",
                  "jpaged:num_kv_blocks_free", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:time_per_output_token_seconds_bucket"):
+                 "vllm:time_per_output_token_seconds_bucket", "jpaged:engine_errors_total"):
         assert name in text, name
     values = _metrics(text)
     assert values["vllm:num_requests_swapped"] == 0
@@ -541,7 +551,7 @@ def test_help_documents_every_flag(capsys):
                  "--gpu-memory-utilization", "--max-num-seqs", "--max-model-len",
                  "--preemption-mode", "--swap-space", "--enable-prefix-caching",
                  "--no-enable-prefix-caching", "--load-format", "--dtype", "--seed",
-                 "--attention-backend"):
+                 "--attention-backend", "--dead-engine-exit-delay"):
         assert flag in text, flag
     assert "127.0.0.1" in text
 
@@ -549,7 +559,11 @@ def test_help_documents_every_flag(capsys):
 @pytest.mark.parametrize("argv,flag", [(["--preemption-mode", "evict"], "--preemption-mode"),
                                        (["--preemption-mode", "swap", "--swap-space", "0"],
                                         "--preemption-mode"),
-                                       (["--swap-space", "-1"], "--swap-space")])
+                                       (["--swap-space", "-1"], "--swap-space"),
+                                       (["--dead-engine-exit-delay", "-1"],
+                                        "--dead-engine-exit-delay"),
+                                       (["--dead-engine-exit-delay", "nan"],
+                                        "--dead-engine-exit-delay")])
 def test_bad_flag_values_fail_at_startup_naming_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as exit_info:
         serve.parse_args(argv)
@@ -745,3 +759,5 @@ def test_api_key_flag_wins_over_the_environment(monkeypatch):
     monkeypatch.delenv("JPAGED_API_KEY")
     args = serve.parse_args(["--max-request-bytes", "1000"])
     assert (args.api_key, args.max_request_bytes) == (None, 1000)
+    assert args.dead_engine_exit_delay == 2.0
+    assert serve.parse_args(["--dead-engine-exit-delay", "0"]).dead_engine_exit_delay == 0.0

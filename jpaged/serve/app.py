@@ -3,6 +3,9 @@
 Handlers validate requests (`openai_api`), queue them, and stream or collect the outputs. A client
 that disconnects has its requests aborted, which frees their KV blocks at once.
 
+A dead engine (`AsyncEngine.dead_reason`) makes /health a 503 naming the reason and every new
+request a 503; `cli.main` then exits so that a supervisor restarts the server.
+
 No request may hurt another: bodies are capped while they are read (413), and parsing,
 tokenisation and chat-template rendering run on worker threads, so the event loop (and /health)
 stays responsive whatever a client sends. Every error is OpenAI's JSON error body.
@@ -19,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpaged.serve import openai_api as api
-from jpaged.serve.async_engine import AsyncEngine, EngineError, RequestGroup
+from jpaged.serve.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestGroup
 from jpaged.serve.data_parallel import DataParallelEngine
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -90,6 +93,10 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
         return JSONResponse(api.APIError(str(err), status=500, type="internal_server_error")
                             .body(), status_code=500)
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_request, err: EngineDeadError):
+        return JSONResponse(_unavailable(str(err)).body(), status_code=503)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, err: StarletteHTTPException):
         return JSONResponse(api.APIError(str(err.detail), status=err.status_code).body(),
@@ -108,7 +115,10 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        return Response(status_code=200 if async_engine.is_alive else 503)
+        reason = async_engine.dead_reason
+        if reason is None:
+            return Response(status_code=200)
+        return JSONResponse(_unavailable(reason).body(), status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -181,6 +191,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _unavailable(message: str) -> api.APIError:
+    return api.APIError(message, status=503, type="service_unavailable", code="engine_dead")
 
 
 def _too_large(limit: int) -> api.APIError:

@@ -8,8 +8,14 @@ an idle server uses no CPU. New requests join the running batch at the next step
 Per-request events reach the sink as:
   ("accepted", request_id, None)       the engine queued it
   ("error", request_id, ValueError)    rejected by add_request (nothing was queued), or failed
-                                       by an engine error (its blocks were freed)
+                                       by an engine error (an EngineError; its blocks were freed),
+                                       or refused because the engine is dead (EngineDeadError)
   ("output", request_id, RequestOutput) progress; the last one has finished=True
+
+A failed step fails the requests in flight and the engine carries on. The engine is dead once
+MAX_CONSECUTIVE_STEP_FAILURES steps failed in a row or the thread itself stopped on an error:
+the requests in flight fail, every later `add` is refused at once, and `dead_reason` says why
+(the server then answers /health 503 and exits: `cli.main`). `stop` ends the thread the same way.
 
 The outputs are of the kind the request's params ask for: the server streams DELTA outputs and
 collects CUMULATIVE ones for a full reply; the token counts here (latency histograms, usage) read
@@ -30,12 +36,20 @@ from jpaged.sampling import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
+# One failed step may be a transient fault or one bad batch, and only its requests fail; this many
+# in a row, with no step succeeding between them, mean the engine cannot make progress, and a
+# server that kept accepting work would fail all of it.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class EngineError(RuntimeError):
     """The engine failed while this request was in flight."""
+
+
+class EngineDeadError(EngineError):
+    """The engine can no longer run steps, so the request was not queued (the server's 503)."""
 
 
 class OutputSink:
@@ -165,6 +179,9 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._num_prompt_tokens = 0   # of accepted requests
         self._num_finished = 0        # requests that ran to the end (not aborted or failed)
+        self.num_engine_errors = 0    # failed steps and add_requests, and the loop's own failure
+        self._num_failed_in_a_row = 0  # steps
+        self._dead_reason: str | None = None  # set once by the engine thread: it died or stopped
         self.snapshot = self._stats()  # replaced (never mutated) by the engine thread
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
 
@@ -182,10 +199,21 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine can no longer run steps; None while it can (and before `start`)."""
+        if self._dead_reason is not None:
+            return self._dead_reason
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return "the engine loop is not running"
+        return None
+
     def add(self, sink: OutputSink, request_id: str, params, *, prompt_token_ids: list[int]):
         """Queue a request; its events go to `sink` (see the module docstring)."""
         self._commands.put(("add", sink, request_id, params, list(prompt_token_ids),
                             time.monotonic()))
+        if self._dead_reason is not None:   # no thread reads the queue any more
+            self._refuse_queued()
 
     def abort(self, request_id: str):
         """Stop a request; its blocks return to the pool as soon as the engine thread reads this
@@ -194,7 +222,16 @@ class AsyncEngine:
 
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self):
-        while True:
+        try:
+            self._loop()
+        except BaseException as err:  # outside step and add_request: the loop cannot go on
+            logger.exception("the engine loop failed")
+            if self._dead_reason is None:
+                self.num_engine_errors += 1
+                self._die(f"the engine loop failed: {type(err).__name__}: {err}")
+
+    def _loop(self):
+        while self._dead_reason is None:
             block = not self.engine.has_unfinished()  # idle: sleep until a command comes
             try:
                 command = self._commands.get(block=block)
@@ -202,7 +239,9 @@ class AsyncEngine:
                 command = None
             while command is not None:
                 if command[0] == "stop":
-                    self._fail_all(EngineError("the server is shutting down"))
+                    self._dead_reason = "the server is shutting down"
+                    self._fail_all(EngineError(self._dead_reason))
+                    self._refuse_queued()
                     return
                 self._apply(command)
                 try:
@@ -226,6 +265,7 @@ class AsyncEngine:
             return
         except Exception as err:  # an engine bug this request hit: fail it alone
             logger.exception("add_request failed for %s", request_id)
+            self.num_engine_errors += 1
             self._abort_quietly(request_id)
             sink.put(("error", request_id, EngineError(f"engine error: {err}")))
             return
@@ -236,10 +276,17 @@ class AsyncEngine:
     def _step(self):
         try:
             outputs = self.engine.step()
-        except Exception as err:  # one failed step must not take the server down
+        except Exception as err:  # one failed step must not take the server down; a few must
             logger.exception("engine step failed; failing the requests in flight")
-            self._fail_all(EngineError(f"engine error: {err}"))
+            self.num_engine_errors += 1
+            self._num_failed_in_a_row += 1
+            if self._num_failed_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
+                self._die(f"{self._num_failed_in_a_row} engine steps failed in a row, the last "
+                          f"with {type(err).__name__}: {err}")
+            else:
+                self._fail_all(EngineError(f"engine error: {err}"))
             return
+        self._num_failed_in_a_row = 0
         now = time.monotonic()
         deliveries = []
         for output in outputs:
@@ -259,6 +306,26 @@ class AsyncEngine:
         self.snapshot = self._stats()  # before delivery: a caller that saw its request finish
         for sink, output in deliveries:  # then sees the metrics without its blocks
             sink.put(("output", output.request_id, output))
+
+    def _die(self, reason: str):
+        """Mark the engine dead (first, so a caller told of its failure sees a dead engine), fail
+        the requests in flight and refuse those still queued; the loop then ends."""
+        logger.error("the engine is dead: %s", reason)
+        self._dead_reason = reason
+        self._fail_all(EngineError(f"engine error: {reason}"))
+        self._refuse_queued()
+
+    def _refuse_queued(self):
+        """Refuse every queued add (aborts have nothing left to stop). Both the dying engine
+        thread and a late `add` call this: each command is taken from the queue once."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                command[1].put(("error", command[2], EngineDeadError(
+                    f"the engine is not running: {self._dead_reason}")))
 
     def _fail_all(self, err: Exception):
         for request_id, tracked in list(self._tracked.items()):
@@ -368,6 +435,9 @@ class _SnapshotCollector:
              stats["num_prompt_tokens"]),
             ("vllm:request_success", "Requests that finished (stop or length)",
              stats["num_finished_requests"]),
+            ("jpaged:engine_errors", "Engine failures since start: failed steps, add_request "
+             "errors other than bad input, and the engine loop's own failure",
+             self._async_engine.num_engine_errors),   # live: the last snapshot may predate it
         ]
         for metric, doc, value in counters:
             family = CounterMetricFamily(metric, doc, labels=["model_name"])

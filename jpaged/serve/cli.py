@@ -1,21 +1,28 @@
 """`python -m jpaged.serve`: flags (vLLM's names), engine construction and the uvicorn loop.
 
 The engine runs on its own thread (`async_engine.AsyncEngine`); `app.build_app` holds the routes.
+A dead engine ends the process with status 1 (`ExitOnDeadEngine`), as vLLM's server does, so its
+supervisor starts a fresh one: a new engine in the same process would share the device and
+runtime with the one that failed, and a server that answers but cannot serve is worse than none.
 """
 
 import argparse
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 from jpaged.engine import LLMEngine
 from jpaged.engine.builder import default_model_dir
 from jpaged.options import BY_NAME, OPTIONS, Option, OptionError, check_options
 from jpaged.serve.app import DEFAULT_MAX_REQUEST_BYTES, build_app, model_info
-from jpaged.serve.async_engine import AsyncEngine
+from jpaged.serve.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine
 from jpaged.serve.data_parallel import DataParallelEngine
 
 DEFAULT_MODEL_NAME = "jpaged-default"
+DEFAULT_DEAD_ENGINE_EXIT_DELAY = 2.0   # seconds
+EXIT_DEAD_ENGINE = 1
 
 
 # ---- flags -------------------------------------------------------------------------------------
@@ -41,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
              "and /metrics stay open. Default: the JPAGED_API_KEY environment variable, if set")
     add("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body accepted; a larger one is answered 413 before it is read")
+    add("--dead-engine-exit-delay", type=_non_negative_float,
+        default=DEFAULT_DEAD_ENGINE_EXIT_DELAY, metavar="SECONDS",
+        help=f"once the engine is dead ({MAX_CONSECUTIVE_STEP_FAILURES} steps failed in a row, "
+             "or its loop stopped on an error), the server answers /health and every new "
+             "request 503 with the reason for this long, then exits with status "
+             f"{EXIT_DEAD_ENGINE} so that a supervisor restarts it")
     engine = parser.add_argument_group("engine options (jpaged.options; LLM(...) takes the same)")
     for option in OPTIONS:
         if option.is_flag:
@@ -52,6 +65,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:   # NaN too
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
 
 
@@ -101,6 +121,28 @@ def build_engine(args: argparse.Namespace, name: str) -> AsyncEngine | DataParal
 
 
 # ---- entry point --------------------------------------------------------------------------------
+class ExitOnDeadEngine:
+    """Asked on every tick of the uvicorn loop whether to stop: once `delay` seconds passed since
+    it first saw the engine dead (meanwhile /health and new requests get 503 with the reason, so
+    probes and clients learn why). `reason` is set from then on."""
+
+    def __init__(self, async_engine, delay: float):
+        self._async_engine, self._delay = async_engine, delay
+        self.reason: str | None = None
+        self._since = 0.0
+
+    def is_due(self) -> bool:
+        if self.reason is None:
+            self.reason = self._async_engine.dead_reason
+            if self.reason is None:
+                return False
+            self._since = time.monotonic()
+            print(f"jpaged: the engine is dead ({self.reason}); exiting with status "
+                  f"{EXIT_DEAD_ENGINE} in {self._delay:g} s so that a supervisor restarts the "
+                  "server", file=sys.stderr, flush=True)
+        return time.monotonic() - self._since >= self._delay
+
+
 def banner(host: str, port: int, model_name: str) -> str:
     url = f"http://{host}:{port}"
     body = json.dumps({"model": model_name, "prompt": "import os\n\n\ndef ", "max_tokens": 64,
@@ -126,12 +168,16 @@ def main(argv=None) -> int:
     import uvicorn
 
     class Server(uvicorn.Server):
-        """Prints the banner once the socket accepts connections, not before."""
+        """Prints the banner once the socket accepts connections, not before; stops when the
+        engine has been dead for --dead-engine-exit-delay seconds."""
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
                 print(banner(args.host, args.port, name), flush=True)
+
+        async def on_tick(self, counter: int) -> bool:   # every 0.1 s
+            return await super().on_tick(counter) or exit_on_dead_engine.is_due()
 
     args = parse_args(argv)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -140,7 +186,8 @@ def main(argv=None) -> int:
     print(configuration(args, name, async_engine.engine), flush=True)
     app = build_app(async_engine, model_info(async_engine.engine, model_dir, name),
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    exit_on_dead_engine = ExitOnDeadEngine(async_engine, args.dead_engine_exit_delay)
     Server(uvicorn.Config(app, host=args.host, port=args.port,
                           log_level=args.uvicorn_log_level)).run()
-    return 0
+    return 0 if exit_on_dead_engine.reason is None else EXIT_DEAD_ENGINE
 

@@ -4,7 +4,8 @@ endpoint, each request routed to the replica with the most free KV blocks.
 Every replica is a whole engine (its own scheduler, block manager, KV cache and model copy,
 tensor-parallel over its own group when asked) on its own thread (`AsyncEngine`); they share
 nothing but the process. `DataParallelEngine` has AsyncEngine's interface (add, abort, start,
-stop, is_alive, metrics), so the server cannot tell the two apart.
+stop, is_alive, dead_reason, metrics), so the server cannot tell the two apart. One dead replica
+makes the whole server dead, so that it exits and its supervisor restarts every replica.
 
 Routing reads each replica's latest stats snapshot (free blocks) less the prompt blocks of the
 requests routed to it that it has not yet scheduled, so a burst arriving between two snapshots
@@ -64,6 +65,15 @@ class DataParallelEngine:
     @property
     def is_alive(self) -> bool:
         return all(replica.is_alive for replica in self.replicas)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why a replica can no longer run steps (the first such), or None."""
+        for index, replica in enumerate(self.replicas):
+            reason = replica.dead_reason
+            if reason is not None:
+                return f"replica {index}: {reason}"
+        return None
 
     def add(self, sink, request_id: str, params, *, prompt_token_ids: list[int]):
         """Queue a request on the replica with the most free blocks (see the module docstring)."""
