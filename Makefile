@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test clean-venv bench-alloc
+.PHONY: run test test-gpu clean-venv bench-alloc
 
 $(VENV)/.installed-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,17 @@ run: $(VENV)/.installed-base
 # fixtures and compiled programs are built once.
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -n 2 --dist loadfile
+
+# The GPU suite: every GPU-marked test and the engine tests marked to run there too, compiled
+# on a CUDA GPU, with the machine's own Python (a GPU machine brings its jax[cuda]; no venv).
+# Engines in these tests start with warm-up off, so the suite runs in minutes. Refuses to run
+# where JAX sees no GPU (every test would skip and the run would look green).
+GPU_PYTHON ?= python3
+test-gpu:
+	@$(GPU_PYTHON) -c "import jax, sys; sys.exit(None if jax.default_backend() == 'gpu' else \
+		'make test-gpu: JAX sees no GPU here (backend: ' + jax.default_backend() + ')')"
+	$(GPU_PYTHON) -m pytest -m "gpu or gpu_suite" -o addopts="" -q -rfEs -p no:cacheprovider \
+		--durations=10
 
 bench-alloc: $(VENV)/.installed-dev
 	$(PY) benchmarks/allocator_step.py

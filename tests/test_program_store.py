@@ -60,6 +60,7 @@ def reference() -> list[int]:
     return generate(LLMEngine.from_pretrained(None, compilation_cache_dir=False, **SMALL))
 
 
+@pytest.mark.gpu_suite
 def test_entries_under_each_others_keys_are_dropped_and_compiled(tmp_path, reference):
     """Every entry's bytes moved under another entry's key (a stale, colliding or cross-written
     store): the warm engine loads none of them, warns, and gives the cold tokens (it gave empty
@@ -168,6 +169,7 @@ class _FailingOnce:
         raise RuntimeError("INTERNAL: injected dispatch failure")
 
 
+@pytest.mark.gpu_suite
 def test_an_injected_failure_of_every_stored_program_is_recovered(tmp_path, monkeypatch,
                                                                   reference):
     """Every program loaded from the store fails its first run (donated inputs deleted): each is
