@@ -33,7 +33,7 @@ def default_matmul_precision(dtype) -> str:
 
 
 def check_matmul_precision(name) -> str:
-    if name not in DOT_PRECISIONS:
+    if not isinstance(name, str) or name not in DOT_PRECISIONS:
         raise ValueError(f"matmul_precision must be one of {tuple(DOT_PRECISIONS)}, got {name!r}")
     return name
 

@@ -187,7 +187,8 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.matmul_precision = check_matmul_precision(
-            matmul_precision or default_matmul_precision(self.dtype))
+            default_matmul_precision(self.dtype) if matmul_precision is None
+            else matmul_precision)
         self.mesh = mesh
         self.final_logit_softcapping = config.final_logit_softcapping
         self.model = LlamaModel(config, dtype=self.dtype, rngs=rngs, mesh=mesh)
