@@ -21,6 +21,9 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # What jpaged.models.loader reads; tests/test_config.py keeps the loader's own copy equal to this.
 LOAD_FORMATS = ("auto", "dummy")
+# jax.lax.Precision's names for the model's matmuls (jpaged.models.layers.DOT_PRECISIONS, which
+# tests/test_config.py keeps equal to these), and "auto": the model's own (by its dtype).
+MATMUL_PRECISIONS = ("auto", "highest", "high", "default")
 # Options that load a model (from_pretrained); from_model, given a built model, refuses them.
 LOADING_OPTIONS = ("dtype", "load_format", "devices")
 
@@ -155,6 +158,12 @@ OPTIONS: tuple[Option, ...] = (
            choices=ATTENTION_BACKENDS, is_decided_at_start=True),
     Option("kv_cache_dtype", str, "auto", "KV-cache dtype (auto: the weight dtype)", dtype_name,
            is_decided_at_start=True),
+    Option("matmul_precision", str, "auto", "precision of the model's float32 matmuls, "
+           "attention's included (jax.lax.Precision's names): highest (full float32, as torch "
+           "computes them); high or default (TF32 on a GPU: faster, ~1e-3 relative error, "
+           "enough to change greedy tokens; fewer bf16 passes on a TPU); auto: highest for a "
+           "float32 model, default for a bfloat16/float16 one",
+           choices=MATMUL_PRECISIONS, is_decided_at_start=True),
     Option("num_scheduler_steps", int, 1, "decode steps run on the device per scheduler step "
            "(multi-step decoding); a waiting request joins at once", positive_int),
     Option("async_scheduling", bool, False, "start the next decode loop while the host processes "
@@ -245,8 +254,9 @@ def _default(name: str):
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Resolved engine settings: the table's options once the builder (`jpaged.engine.builder`)
-    has decided the start-up ones: pool size, lengths, dtype, backend, warm-up. Checked when built,
-    by the table's checks; the defaults of decided options stand in for tests and tools."""
+    has decided the start-up ones: pool size, lengths, dtype, matmul precision, backend, warm-up.
+    Checked when built, by the table's checks; the defaults of decided options stand in for
+    tests and tools (they describe a float32 model)."""
     num_kv_blocks: int
     block_size: int = _default("block_size")
     max_num_seqs: int = _default("max_num_seqs")
@@ -254,6 +264,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     seed: int = _default("seed")
     kv_dtype: str = "float32"          # kv_cache_dtype, decided
+    matmul_precision: str = "highest"  # decided: the model's own for "auto" (a float32 one's)
     attention_backend: str = "reference"
     interpret: bool = False            # run the Pallas backend interpreted (on the CPU)
     num_scheduler_steps: int = _default("num_scheduler_steps")

@@ -11,7 +11,9 @@ decode and cache writes are the Triton ones);
 mapping "auto" to one of these is the engine's job, with `unsupported_reason` saying which
 backends can run a model. `interpret=True` runs a Pallas kernel in the interpreter (CPU tests);
 the reference ignores it. Both take `sliding_window` and `logits_soft_cap` (semantics in
-`pallas_kernels.reference`'s docstring; None: off).
+`pallas_kernels.reference`'s docstring; None: off), and `precision`, the `jax.lax.Precision` of
+their dots on float32 inputs (None: HIGHEST, full float32; a GPU's DEFAULT would be TF32); dots
+on 16-bit inputs are the same whatever it says.
 """
 
 import jax.numpy as jnp
@@ -82,19 +84,21 @@ def unsupported_reason(backend, *, head_dim, dtype=None, kv_cache_dtype=None, bl
 
 
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
-                           sliding_window=None, logits_soft_cap=None, backend="reference",
-                           interpret=False, **kernel_options):
+                           sliding_window=None, logits_soft_cap=None, precision=None,
+                           backend="reference", interpret=False, **kernel_options):
     """Decode attention, one query token per sequence, on the chosen backend.
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D]; block_tables: [B, M] int32; context_lens: [B]
     int32 including the current token (0 = padding row, zeros out). Returns [B, H, D] in q's dtype.
     sliding_window: the query sees only its last sliding_window keys (itself included);
     logits_soft_cap: scores s -> c * tanh(s / c); None: off (see `pallas_kernels.reference`).
+    precision: of the dots on float32 inputs (None: HIGHEST).
     kernel_options: static tiling of the chosen kernel (see its docstring).
     """
     _check_backend(backend, kernel_options)
     _validate.check_options(sliding_window, logits_soft_cap)
-    options = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    options = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                   precision=precision)
     if backend == "reference":
         return reference.paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens,
                                                 **options)
@@ -103,18 +107,19 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
 
 
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
-                            scale=None, sliding_window=None, logits_soft_cap=None,
+                            scale=None, sliding_window=None, logits_soft_cap=None, precision=None,
                             backend="reference", interpret=False, **kernel_options):
     """Ragged causal prefill/chunk attention (mixed with decode rows) on the chosen backend.
 
     q: [T, H, D]; sequence b owns rows query_start_loc[b]:query_start_loc[b+1] ([B+1] int32; rows
     past query_start_loc[B] come back as zeros); context_lens: [B] int32 including the chunk;
-    block_tables: [B, M] int32. Returns [T, H, D] in q's dtype. sliding_window, logits_soft_cap:
-    as in `paged_attention_decode`.
+    block_tables: [B, M] int32. Returns [T, H, D] in q's dtype. sliding_window, logits_soft_cap,
+    precision: as in `paged_attention_decode`.
     """
     _check_backend(backend, kernel_options)
     _validate.check_options(sliding_window, logits_soft_cap)
-    options = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    options = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                   precision=precision)
     if backend == "reference":
         return reference.paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens,
                                                  query_start_loc, **options)

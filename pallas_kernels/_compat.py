@@ -21,6 +21,7 @@ JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
 
 __all__ = ["pl", "plgpu", "pltpu", "plmgpu", "JAX_VERSION", "triton_params", "tpu_params",
            "tpu_interpret", "mosaic_gpu_interpret", "mosaic_gpu_problem", "dot_f32",
+           "float32_precision", "mosaic_tpu_precision",
            "bundled_gpu_paged_attention"]
 
 MOSAIC_GPU_MIN_JAX = (0, 11, 0)  # the Mosaic GPU kernels here use 0.11's API (and interpreter)
@@ -70,14 +71,42 @@ def mosaic_gpu_problem():
     return None
 
 
-def dot_f32(a, b, *, transpose_b=False):
+def float32_precision(precision=None):
+    """The `lax.Precision` of matmuls on float32 operands: `precision` (a `lax.Precision` or one
+    of its names, "highest", "high", "default"), or HIGHEST when None.
+
+    HIGHEST by default because the GPU's DEFAULT for float32 is TF32 (10-bit mantissas, ~1e-3
+    relative error), in XLA's dots and Triton's alike. Raises ValueError naming `precision`.
+    """
+    if precision is None:
+        return lax.Precision.HIGHEST
+    if isinstance(precision, (str, lax.Precision)):
+        try:
+            return lax.Precision(precision)
+        except ValueError:
+            pass
+    raise ValueError(f"precision must be None, a jax.lax.Precision or one of 'highest', "
+                     f"'high', 'default', got {precision!r}")
+
+
+def mosaic_tpu_precision(precision=None):
+    """`float32_precision` for a Mosaic TPU kernel, which lowers only DEFAULT and HIGHEST: HIGH
+    (more than one bf16 pass asked for) gets HIGHEST."""
+    precision = float32_precision(precision)
+    return lax.Precision.HIGHEST if precision == lax.Precision.HIGH else precision
+
+
+def dot_f32(a, b, *, transpose_b=False, precision=None):
     """a @ b (or a @ b.T) accumulated in float32, in any Pallas backend.
 
     `pl.dot` is gone in 0.11.2; `lax.dot_general` lowers on Triton, Mosaic TPU and the interpreter.
-    float32 operands ask for HIGHEST, because Triton's DEFAULT is TF32 (~3e-4 relative error).
+    float32 operands run at `float32_precision(precision)` (HIGHEST unless the caller asks for
+    less: Triton's DEFAULT is TF32, ~3e-4 relative error); 16-bit operands at DEFAULT, whatever
+    precision says (their products are exact in the float32 accumulator).
     """
     contract_b = 1 if transpose_b else 0
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    precision = (float32_precision(precision) if a.dtype == jnp.float32
+                 else lax.Precision.DEFAULT)
     return lax.dot_general(a, b, (((a.ndim - 1,), (contract_b,)), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
 

@@ -25,11 +25,12 @@ def soft_cap(scores, logits_soft_cap):
     return logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
 
 
-def update(state, scores, values, is_visible):
+def update(state, scores, values, is_visible, *, precision=None):
     """Fold one tile of keys into the state.
 
     scores: [R, C] float32 (already scaled); values: [C, D] in the cache dtype (masked rows must
     hold finite numbers, e.g. zeros from a masked load); is_visible: [R, C] bool.
+    precision: of the probabilities-values dot when values are float32 (`dot_f32`).
     """
     m_prev, l_prev, acc_prev = state
     scores = jnp.where(is_visible, scores, -jnp.inf)
@@ -38,7 +39,8 @@ def update(state, scores, values, is_visible):
     correction = jnp.exp(m_prev - m_safe)
     probs = jnp.exp(scores - m_safe)
     l_new = correction * l_prev + jnp.sum(probs, axis=1, keepdims=True)
-    acc_new = correction * acc_prev + dot_f32(probs.astype(values.dtype), values)
+    acc_new = correction * acc_prev + dot_f32(probs.astype(values.dtype), values,
+                                              precision=precision)
     return m_new, l_new, acc_new
 
 

@@ -20,8 +20,17 @@ Two options shared by every attention function here and every kernel (None = off
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._compat import float32_precision
+
 # Full float32 matmuls: GPUs default to TF32 (~1e-3 relative error), too loose for an oracle.
 _EXACT = jax.lax.Precision.HIGHEST
+
+
+def _precision(dtype, precision):
+    """The precision of this module's float32 dots on inputs of `dtype`: float32 inputs get the
+    caller's (`float32_precision`, None: HIGHEST); 16-bit inputs, upcast here, always HIGHEST."""
+    precision = float32_precision(precision)   # checked whatever the dtype
+    return precision if jnp.dtype(dtype) == jnp.float32 else _EXACT
 
 
 def check_page_layout(k_pages, v_pages, num_kv_heads=None, head_dim=None):
@@ -48,23 +57,25 @@ def _gather_sequences(pages, block_tables):
 
 
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
-                           sliding_window=None, logits_soft_cap=None):
+                           sliding_window=None, logits_soft_cap=None, precision=None):
     """One query token per sequence attends to its cached context (or its last sliding_window keys).
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D]; block_tables: [B, M] int32;
     context_lens: [B] int32 (tokens in the cache, including the current one; 0 = padding row,
     whose output is zeros). Returns [B, H, D] in q's dtype; softmax in float32.
+    precision: of the dots when q is float32 (None: HIGHEST; 16-bit q: always HIGHEST).
     """
     batch = q.shape[0]
     positions = context_lens - 1
     seq_of_token = jnp.arange(batch, dtype=jnp.int32)
     out = _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token,
-                         positions, scale, sliding_window, logits_soft_cap)
+                         positions, scale, sliding_window, logits_soft_cap, precision)
     return jnp.where((context_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                            *, scale=None, sliding_window=None, logits_soft_cap=None):
+                            *, scale=None, sliding_window=None, logits_soft_cap=None,
+                            precision=None):
     """A ragged batch of query chunks attends causally to the paged cache.
 
     q: [T, H, D], the queries of all sequences back to back; sequence b owns rows
@@ -72,7 +83,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     rows past query_start_loc[B] are padding and come back as zeros).
     context_lens: [B], tokens in the cache for b *including* this chunk, so the chunk's i-th query
     sits at position context_lens[b] - q_len[b] + i and sees positions <= its own (a cached prefix
-    of context_lens[b] - q_len[b] tokens comes first). Returns [T, H, D].
+    of context_lens[b] - q_len[b] tokens comes first). Returns [T, H, D]. precision: as in
+    `paged_attention_decode`.
     """
     num_tokens = q.shape[0]
     token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -85,12 +97,12 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     offset_in_chunk = token_idx - query_start_loc[seq_of_token]
     positions = context_lens[seq_of_token] - q_lens[seq_of_token] + offset_in_chunk
     out = _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token,
-                         positions, scale, sliding_window, logits_soft_cap)
+                         positions, scale, sliding_window, logits_soft_cap, precision)
     return jnp.where(is_real[:, None, None], out, 0).astype(q.dtype)
 
 
 def _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token, positions,
-                   scale, sliding_window, logits_soft_cap):
+                   scale, sliding_window, logits_soft_cap, precision):
     """Per-token attention: q [T, H, D]; token t belongs to seq_of_token[t] at positions[t]."""
     check_page_layout(k_pages, v_pages, head_dim=q.shape[-1])
     num_tokens, num_heads, head_dim = q.shape
@@ -99,6 +111,7 @@ def _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token
         raise ValueError(f"query heads {num_heads} not a multiple of kv heads {num_kv_heads}")
     group = num_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
+    precision = _precision(q.dtype, precision)
     keys = _gather_sequences(k_pages, block_tables)    # [B, K, C, D], C = M*S
     values = _gather_sequences(v_pages, block_tables)
     ctx = keys.shape[2]
@@ -112,7 +125,7 @@ def _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token
     k_tok = keys[seq_of_token].astype(jnp.float32)     # [T, K, C, D]
     v_tok = values[seq_of_token].astype(jnp.float32)
     v_tok = jnp.where(visible[:, None, :, None], v_tok, 0.0)
-    scores = jnp.einsum("tkgd,tkcd->tkgc", qg, k_tok, precision=_EXACT) * scale
+    scores = jnp.einsum("tkgd,tkcd->tkgc", qg, k_tok, precision=precision) * scale
     if logits_soft_cap is not None:
         scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
@@ -121,7 +134,7 @@ def _attend_tokens(q, k_pages, v_pages, block_tables, context_lens, seq_of_token
     weights = jnp.exp(scores - row_max)
     weights = jnp.where(visible[:, None, None, :], weights, 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("tkgc,tkcd->tkgd", weights, v_tok, precision=_EXACT)
+    out = jnp.einsum("tkgc,tkcd->tkgd", weights, v_tok, precision=precision)
     out = out / jnp.where(denom > 0, denom, 1.0)
     return out.reshape(num_tokens, num_heads, head_dim)
 

@@ -8,6 +8,7 @@ kernel that reads anything it should not turns its output into NaN.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -135,3 +136,24 @@ def max_row_error(out, ref):
     ref = np.asarray(jnp.asarray(ref, jnp.float32))
     error = np.linalg.norm(out - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-6)
     return float(np.max(error)) if error.size else 0.0
+
+
+def dot_precisions(fn, *args) -> list:
+    """The precision of every dot_general fn(*args) traces to, kernel bodies (a pallas_call's
+    jaxpr) and loop bodies included, in trace order: a `jax.lax.Precision` (the first operand's,
+    both are the same here) or None (jnp's default, no precision asked for)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                precision = eqn.params["precision"]
+                found.append(precision[0] if isinstance(precision, tuple) else precision)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)   # a ClosedJaxpr's open jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

@@ -224,6 +224,107 @@ def build_gemma3_multimodal(out_dir: Path):
     _save(Gemma3ForConditionalGeneration, config, out_dir, seed=15)
 
 
+
+# ---- float32 parity models (tests/test_float32_parity.py; not in BUILDERS, so the model tests do
+# not run them too): one per family, each a different mix of MQA (K = 1), a head size that is not
+# a power of two (48; Phi-3's 24) and the family's RoPE variant, sized so that a 40-token prompt
+# plus the generated tokens stay inside max_position_embeddings (and, for Phi-3, below the
+# longrope switch: transformers picks a whole sequence's factors from its length, jpaged each
+# token's from its position, and both agree below original_max_position_embeddings).
+_PARITY_COMMON = dict(_COMMON, max_position_embeddings=512)
+_LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=32)
+
+
+def _parity_llama2(out_dir: Path):
+    """Llama 2: multi-head attention, default RoPE, head_dim 48."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, head_dim=48,
+                         **_PARITY_COMMON)
+    _save(LlamaForCausalLM, config, out_dir, seed=21)
+
+
+def _parity_llama3(out_dir: Path):
+    """Llama 3.1: MQA, head_dim 48, llama3 RoPE scaling (the H200's TF32 divergence)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=48,
+                         rope_parameters=_LLAMA3_ROPE, **_PARITY_COMMON)
+    _save(LlamaForCausalLM, config, out_dir, seed=22)
+
+
+def _parity_mistral(out_dir: Path):
+    """Mistral: MQA, head_dim 48, a sliding window (16) that binds on a 40-token prompt."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=48,
+                           sliding_window=16, **_PARITY_COMMON)
+    _save(MistralForCausalLM, config, out_dir, seed=23)
+
+
+def _parity_qwen2(out_dir: Path):
+    """Qwen2: MQA, q/k/v bias, tied embeddings (logits from the embedding table)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                         **_PARITY_COMMON)
+    _save(Qwen2ForCausalLM, config, out_dir, seed=24)
+
+
+def _parity_qwen3(out_dir: Path):
+    """Qwen3: q/k RMSNorm, GQA, head_dim 48."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                         rope_theta=1e6, **_PARITY_COMMON)
+    _save(Qwen3ForCausalLM, config, out_dir, seed=25)
+
+
+def _parity_gemma2(out_dir: Path):
+    """Gemma 2: MQA, head_dim 48, soft caps (scores 5, logits 3), sliding layer 0 (window 16)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(num_attention_heads=4, num_key_value_heads=1, head_dim=48,
+                          query_pre_attn_scalar=32, sliding_window=16,
+                          attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                          **dict(_PARITY_COMMON, bos_token_id=2))
+    _save(Gemma2ForCausalLM, config, out_dir, seed=26)
+
+
+def _parity_gemma3(out_dir: Path):
+    """Gemma 3: q/k norms, GQA, head_dim 48, a sliding layer (window 16, local rope base 100)
+    then a global one (linear RoPE scaling x4)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    rope = {"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+            "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6)}
+    config = Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                              query_pre_attn_scalar=32, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters=rope, **dict(_PARITY_COMMON, bos_token_id=2))
+    _save(Gemma3ForCausalLM, config, out_dir, seed=27)
+
+
+def _parity_phi3(out_dir: Path):
+    """Phi-3: fused projections, MQA, head_dim 24, longrope with partial rotation (18 of 24)."""
+    import numpy as np
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rng = np.random.default_rng(28)
+    rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                short_factor=(1.0 + rng.random(9)).tolist(),
+                long_factor=(2.0 + 4.0 * rng.random(9)).tolist())
+    config = Phi3Config(num_attention_heads=4, num_key_value_heads=1, rope_parameters=rope,
+                        original_max_position_embeddings=128, pad_token_id=0,
+                        **dict(_PARITY_COMMON, hidden_size=96))
+    _save(Phi3ForCausalLM, config, out_dir, seed=28)
+
+
+PARITY_BUILDERS = {"llama2": _parity_llama2, "llama3": _parity_llama3,
+                   "mistral": _parity_mistral, "qwen2": _parity_qwen2, "qwen3": _parity_qwen3,
+                   "gemma2": _parity_gemma2, "gemma3": _parity_gemma3, "phi3": _parity_phi3}
+
 def write_tokenizer(out_dir: Path):
     """Train a byte-level BPE (VOCAB_SIZE tokens, <s>=0, </s>=1) and write tokenizer.json.
 

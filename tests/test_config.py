@@ -199,7 +199,7 @@ BAD_VALUES = {
     "async_depth": 0, "warmup": 1, "strict_compilation": None, "compilation_cache_dir": 3,
     "enable_prefix_caching": "no", "preemption_mode": "evict", "swap_space": float("inf"),
     "tensor_parallel_size": 0, "devices": [], "data_parallel_size": 0,
-    "logprobs_mode": "logits",
+    "logprobs_mode": "logits", "matmul_precision": "float32",
 }
 
 
@@ -241,7 +241,7 @@ def test_engine_config_holds_only_decided_values():
     EngineConfig(num_kv_blocks=8)
     for name, placeholder in [("num_kv_blocks", None), ("max_model_len", None),
                               ("attention_backend", "auto"), ("warmup", None),
-                              ("kv_dtype", "auto")]:
+                              ("kv_dtype", "auto"), ("matmul_precision", "auto")]:
         with pytest.raises(ValueError, match="decided"):
             EngineConfig(**{"num_kv_blocks": 8, name: placeholder})
     with pytest.raises(OptionError, match="at least 2"):
@@ -258,6 +258,9 @@ def test_options_are_checked_before_a_model_loads(tmp_path):
 
     with pytest.raises(OptionError, match="swap_space"):   # not FileNotFoundError
         LLMEngine.from_pretrained(tmp_path / "missing", swap_space=-1)
+    with pytest.raises(OptionError, match="^matmul_precision must be one of") as info:
+        LLMEngine.from_pretrained(tmp_path / "missing", matmul_precision="tf32")
+    assert info.value.option == "matmul_precision"
 
     class Model:
         mesh = None
@@ -295,6 +298,18 @@ def test_options_module_is_a_low_layer():
                                                                 "pallas_kernels")} \
         == {"jpaged.config"}
     assert LOAD_FORMATS == options.LOAD_FORMATS
+
+
+def test_matmul_precisions_are_the_models():
+    """The option's values are the model's precision names (and "auto"); EngineConfig holds a
+    decided one, checked."""
+    from jpaged.models.layers import DOT_PRECISIONS
+
+    assert options.MATMUL_PRECISIONS == ("auto", *DOT_PRECISIONS)
+    assert EngineConfig(num_kv_blocks=8, matmul_precision="high").matmul_precision == "high"
+    with pytest.raises(OptionError, match="matmul_precision") as info:
+        EngineConfig(num_kv_blocks=8, matmul_precision="HIGHEST")
+    assert info.value.option == "matmul_precision"
 
 
 @pytest.mark.parametrize("name, expected", [

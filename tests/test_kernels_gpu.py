@@ -403,6 +403,57 @@ def test_bad_attention_options_raise_naming_them(options, argument):
                                       interpret=INTERPRET, **options)
 
 
+
+HIGHEST, HIGH, DEFAULT = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGH,
+                          jax.lax.Precision.DEFAULT)
+
+
+@pytest.mark.parametrize("precision, expected", [
+    (None, HIGHEST), ("highest", HIGHEST), ("high", HIGH), ("default", DEFAULT), (HIGH, HIGH)])
+def test_float32_dots_run_at_the_precision_asked(precision, expected):
+    """Every dot of the GPU kernels and of the reference on float32 inputs runs at `precision`
+    (None: HIGHEST, since a GPU's DEFAULT is TF32); on bfloat16 inputs the kernels' dots stay
+    DEFAULT and the reference's (upcast to float32) HIGHEST, whatever precision says."""
+    for dtype, kernel_dots, reference_dots in [(F32, expected, expected),
+                                               (BF16, DEFAULT, HIGHEST)]:
+        decode, prefill = make_decode(("mqa", 48, 16, dtype)), make_prefill(("mqa", 48, 16, dtype))
+        kernel = dict(precision=precision, interpret=INTERPRET)
+        for fn, args, expected_dots in [
+                (functools.partial(pk.paged_attention_decode_gpu, **kernel), decode.decode_args,
+                 kernel_dots),
+                (functools.partial(pk.paged_attention_decode_gpu, **kernel, num_splits=3,
+                                   tokens_per_step=16), decode.decode_args, kernel_dots),
+                (functools.partial(pk.paged_attention_prefill_gpu, **kernel),
+                 prefill.prefill_args, kernel_dots),
+                (functools.partial(reference.paged_attention_decode, precision=precision),
+                 decode.decode_args, reference_dots),
+                (functools.partial(reference.paged_attention_prefill, precision=precision),
+                 prefill.prefill_args, reference_dots)]:
+            dots = testing.dot_precisions(fn, *args)
+            assert len(dots) >= 2 and set(dots) == {expected_dots}, (fn, dots)
+
+
+@pytest.mark.parametrize("precision", ["highest", "high", "default"])
+def test_float32_kernels_lower_to_triton_at_every_precision(precision):
+    """Triton takes each precision on float32 dots (IEEE for HIGHEST, TF32 for the others)."""
+    decode, prefill = make_decode(("gqa", 64, 16, F32)), make_prefill(("gqa", 64, 16, F32))
+    for fn, args in [(pk.paged_attention_decode_gpu, decode.decode_args),
+                     (pk.paged_attention_prefill_gpu, prefill.prefill_args)]:
+        text = lower_for_cuda(functools.partial(fn, precision=precision), args)
+        assert text.count("xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("precision", ["tf32", 1, "HIGHEST "])
+def test_bad_precision_raises_naming_it(precision):
+    problem = make_prefill(("gqa", 64, 16, F32))
+    for backend in ("reference", "pallas_gpu"):
+        with pytest.raises(ValueError, match="^precision must be"):
+            pk.paged_attention_prefill(*problem.prefill_args, backend=backend,
+                                       interpret=INTERPRET, precision=precision)
+    with pytest.raises(ValueError, match="^precision must be"):
+        pk.paged_attention_decode_gpu(*make_decode(("gqa", 64, 16, BF16)).decode_args,
+                                      interpret=INTERPRET, precision=precision)
+
 def test_unsupported_reason():
     """None where a backend runs the model, else the reason its kernels would raise with."""
     assert pk.unsupported_reason("reference", head_dim=44, dtype=jnp.int8) is None

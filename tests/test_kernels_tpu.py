@@ -214,3 +214,21 @@ def test_kernels_lower_to_mosaic_tpu(dtype):
                       prefill.prefill_args)]:
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
         assert "tpu_custom_call" in lowered.as_text()
+
+
+@pytest.mark.parametrize("precision, expected", [
+    (None, "HIGHEST"), ("highest", "HIGHEST"), ("high", "HIGHEST"), ("default", "DEFAULT")])
+def test_float32_dots_run_at_a_precision_mosaic_lowers(precision, expected):
+    """Mosaic TPU lowers only DEFAULT and HIGHEST: float32 dots asked for HIGH run at HIGHEST
+    (at least the precision asked for), and every precision lowers; bfloat16 dots stay DEFAULT."""
+    kwargs = dict(num_heads=4, num_kv_heads=1, head_dim=128, block_size=16)
+    for dtype, expected_dots in [(F32, expected), (BF16, "DEFAULT")]:
+        decode = testing.decode_problem(0, **kwargs, dtype=dtype)
+        prefill = testing.prefill_problem(0, **kwargs, dtype=dtype)
+        for fn, args in [(pk.paged_attention_decode_tpu, decode.decode_args),
+                         (pk.paged_attention_prefill_tpu, prefill.prefill_args)]:
+            fn = functools.partial(fn, precision=precision)
+            dots = testing.dot_precisions(functools.partial(fn, interpret=True), *args)
+            assert dots and {p.name for p in dots} == {expected_dots}, (fn, dots)
+            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+            assert "tpu_custom_call" in lowered.as_text()

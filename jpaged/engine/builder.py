@@ -1,5 +1,6 @@
 """From options to an engine: model loading, the start-up decisions (attention backend, warm-up,
-lengths, KV dtype) and KV-pool sizing. The options themselves and their checks: `jpaged.options`."""
+lengths, KV dtype, matmul precision) and KV-pool sizing. The options themselves and their
+checks: `jpaged.options`."""
 
 import functools
 import logging
@@ -13,6 +14,7 @@ from jpaged.config import normalize_dtype
 from jpaged.engine import compile_cache
 from jpaged.logprobs import SCORED_POSITIONS_PER_STEP
 from jpaged.models.attention import unsupported_reason
+from jpaged.models.llama import with_matmul_precision
 from jpaged.models.loader import load_model, load_tokenizer
 from jpaged.options import LOADING_OPTIONS, EngineConfig, OptionError, check_option, check_options
 
@@ -128,7 +130,8 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
     """The EngineConfig for `model` from checked settings (`check_options`): every start-up
     placeholder (None, "auto") decided. warmup None: compile at start on an accelerator, lazily on
     the CPU. compilation_cache_dir None: the user's cache directory. On a mesh, preemption "auto"
-    means recompute (swapping knows one device's cache).
+    means recompute (swapping knows one device's cache). matmul_precision "auto": the model's own
+    (highest for float32 parameters, default for 16-bit ones).
     """
     tensor_parallel_size = settings["tensor_parallel_size"]
     if parallel.mesh_size(model.mesh) != tensor_parallel_size:
@@ -150,6 +153,8 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
     max_num_batched_tokens = settings["max_num_batched_tokens"] or max(2048, block_size)
     kv_dtype = (model.dtype.name if settings["kv_cache_dtype"] == "auto"
                 else normalize_dtype(settings["kv_cache_dtype"]))
+    matmul_precision = (model.matmul_precision if settings["matmul_precision"] == "auto"
+                        else settings["matmul_precision"])
     backend, interpret = choose_attention_backend(
         settings["attention_backend"], model_config, dtype=model.dtype, kv_dtype=kv_dtype,
         block_size=block_size)
@@ -161,7 +166,8 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
     return EngineConfig(
         num_kv_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-        seed=settings["seed"], kv_dtype=kv_dtype, attention_backend=backend, interpret=interpret,
+        seed=settings["seed"], kv_dtype=kv_dtype, matmul_precision=matmul_precision,
+        attention_backend=backend, interpret=interpret,
         num_scheduler_steps=settings["num_scheduler_steps"],
         async_scheduling=settings["async_scheduling"], async_depth=settings["async_depth"],
         warmup=jax.default_backend() != "cpu" if warmup is None else warmup,
@@ -173,6 +179,14 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
         preemption_mode=preemption_mode, swap_space=settings["swap_space"],
         logprobs_mode=settings["logprobs_mode"],
         tensor_parallel_size=tensor_parallel_size)
+
+
+def engine_model(model, config: EngineConfig):
+    """The model as an engine of `config` runs it: at config.matmul_precision (a copy sharing the
+    parameters when the model's own precision differs; the caller's model stays as it was). The
+    precision is part of the model's graph, hence of every program's key: two precisions never
+    share a compiled or stored program."""
+    return with_matmul_precision(model, config.matmul_precision)
 
 
 def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:

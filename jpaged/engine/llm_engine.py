@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from jpaged.blocks.ledger import BlockLedger
-from jpaged.engine.builder import EngineConfig, build_engine_config, resolve_engine_config
+from jpaged.engine.builder import (EngineConfig, build_engine_config, engine_model,
+                                   resolve_engine_config)
 from jpaged.engine.executor import Executor, StepFailed
 from jpaged.engine.inputs import InputProcessor
 from jpaged.engine.output import OutputProcessor
@@ -42,6 +43,7 @@ class LLMEngine:
     """Continuous-batching engine over one model."""
 
     def __init__(self, model, tokenizer, config: EngineConfig):
+        model = engine_model(model, config)
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.config = config

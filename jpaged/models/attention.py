@@ -51,7 +51,8 @@ class AttentionMetadata:
 
 
 def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, scale: float, mesh=None,
-                    *, sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                    *, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    precision: str | None = None):
     """q [T, H, D] attends causally to its sequences' cached keys/values -> [T, H, D] in q.dtype.
 
     k_pages, v_pages: one layer's pages [K, N, S, D], already holding this step's K/V.
@@ -60,11 +61,14 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, scale: flo
     logits_soft_cap c: each scaled score s becomes c * tanh(s / c) before masking.
     Both are static per layer and reach the kernels only when set, so a model without them
     calls the kernels exactly as before they existed.
+    precision: the model's matmul precision ("highest", "high", "default"), which the kernels
+    apply to float32 inputs only (None: theirs, HIGHEST); 16-bit inputs' dots never change.
     mesh: tensor parallelism (`jpaged.parallel`): the kernel runs on each device with its local
     query heads and kv heads (q split along H, pages along K, metadata replicated).
     """
     options = {name: value for name, value in (("sliding_window", sliding_window),
-                                               ("logits_soft_cap", logits_soft_cap))
+                                               ("logits_soft_cap", logits_soft_cap),
+                                               ("precision", precision))
                if value is not None}
     attend = functools.partial(_attend, scale=scale, **options)
     if mesh is None:

@@ -1,8 +1,9 @@
 """Building blocks of a Llama-family decoder: Linear, RMSNorm (and Gemma's), rotary tables,
-gated MLP.
+gated MLP, and the precisions their matmuls run at.
 
 Projection weights are stored [in, out], the transpose of Hugging Face's (why: `packing`).
 A packed Linear (`jpaged.models.packing`) holds several Hugging Face projections' rows.
+Matmuls take the model's precision by name (`DOT_PRECISIONS`) as a call argument.
 Axis names: T tokens, E hidden size, F intermediate size, H query heads, K kv heads, D head dim,
 P tensor-parallel shards.
 """
@@ -16,6 +17,25 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models import packing
+
+
+# A model's matmul precisions by name (the `matmul_precision` option's values, less "auto"), as
+# jnp's `precision=` takes them. XLA on a GPU runs float32 matmuls at TF32 unless asked for
+# HIGHEST; "default" is None, so a default-precision model (bf16, fp16) traces as it always did.
+DOT_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH,
+                  "default": None}
+
+
+def default_matmul_precision(dtype) -> str:
+    """A model's precision unless asked otherwise: full float32 for float32 parameters (as
+    torch computes them), the platform's default for 16-bit ones."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
+
+
+def check_matmul_precision(name) -> str:
+    if not isinstance(name, str) or name not in DOT_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {tuple(DOT_PRECISIONS)}, got {name!r}")
+    return name
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, stddev=0.02):
@@ -49,8 +69,9 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(weight.T)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
-    def __call__(self, x):
-        y = jnp.einsum("...i,io->...o", x, self.weight[...])
+    def __call__(self, x, precision: str = "default"):
+        """x [..., in] -> [..., out]; precision: a `DOT_PRECISIONS` name."""
+        y = jnp.einsum("...i,io->...o", x, self.weight[...], precision=DOT_PRECISIONS[precision])
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -130,13 +151,14 @@ class GatedMLP(nnx.Module):
             packing=gate_up_packing or packing.gate_up_packing(intermediate_size, shards))
         self.down_proj = Linear(intermediate_size, hidden_size, **kwargs)
 
-    def __call__(self, x):
-        """x [..., E] -> [..., E]."""
+    def __call__(self, x, precision: str = "default"):
+        """x [..., E] -> [..., E]; precision: the projections' (a `DOT_PRECISIONS` name)."""
         lead = x.shape[:-1]
-        gate_up = self.gate_up_proj(x).reshape(*lead, self.blocks, 2, -1)   # [..., P, 2, F/P]
+        gate_up = self.gate_up_proj(x, precision)
+        gate_up = gate_up.reshape(*lead, self.blocks, 2, -1)               # [..., P, 2, F/P]
         gate = gate_up[..., 0, :].reshape(*lead, -1)                       # [..., F]
         up = gate_up[..., 1, :].reshape(*lead, -1)
-        return self.down_proj(_ACTIVATIONS[self.activation](gate) * up)
+        return self.down_proj(_ACTIVATIONS[self.activation](gate) * up, precision)
 
 
 def rotary_cos_sin(positions, inv_frequencies: np.ndarray):

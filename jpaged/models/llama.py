@@ -8,6 +8,8 @@ block (`GemmaDecoderLayer`: norms before and after attention and the MLP), their
 ((1 + weight)) and their scaled embeddings. Module attribute names mirror Hugging Face's parameter
 names (`model.layers.3.self_attn.o_proj.weight`), except that q/k/v and gate/up are packed
 (`qkv_proj`, `gate_up_proj`; see `jpaged.models.packing`), which the loader maps.
+Every matmul (projections, MLP, logits, attention's) runs at the model's `matmul_precision`,
+passed down each call: "highest" (full float32, a float32 model's default), "high" or "default".
 Axis names: T tokens, E hidden size, V vocab, H query heads, K kv heads, C cache kv heads
 (K, or one per shard when tensor-parallel shards outnumber K), D head dim, P shards.
 """
@@ -21,7 +23,8 @@ from jpaged import parallel
 from jpaged.config import ModelConfig
 from jpaged.models import packing
 from jpaged.models.attention import AttentionMetadata, paged_attention
-from jpaged.models.layers import Embedding, GatedMLP, Linear, LMHead, Rotary, rms_norm
+from jpaged.models.layers import (DOT_PRECISIONS, Embedding, GatedMLP, Linear, LMHead, Rotary,
+                                  check_matmul_precision, default_matmul_precision, rms_norm)
 
 
 class LlamaAttention(nnx.Module):
@@ -49,38 +52,41 @@ class LlamaAttention(nnx.Module):
         self.q_norm = rms_norm(self.head_dim, config, dtype) if has_norms else None
         self.k_norm = rms_norm(self.head_dim, config, dtype) if has_norms else None
 
-    def packed_heads(self, x):
+    def packed_heads(self, x, precision: str = "default"):
         """x [..., E] -> the packed projection as [..., P, H/P + 2C/P, D]: per shard, its query
         heads, then its cache kv heads' keys, then their values (`packing.qkv_packing`); query
-        and key heads normed when the model norms them."""
-        qkv = self.qkv_proj(x).reshape(*x.shape[:-1], self.shards, -1, self.head_dim)
+        and key heads normed when the model norms them. precision: the projection's."""
+        qkv = self.qkv_proj(x, precision).reshape(*x.shape[:-1], self.shards, -1, self.head_dim)
         if self.q_norm is None:
             return qkv
         local_q, local_kv = self.num_heads // self.shards, self.num_cache_kv_heads // self.shards
         q, k, v = jnp.split(qkv, [local_q, local_q + local_kv], axis=-2)
         return jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=-2)
 
-    def project_qkv(self, x):
+    def project_qkv(self, x, precision: str = "default"):
         """x [..., E] -> q [..., H, D], k and v [..., C, D], before rotation (for dense uses,
         e.g. tools/train_tiny.py; the paged step rotates and writes in one kernel)."""
         lead, shards = x.shape[:-1], self.shards
         local_q, local_kv = self.num_heads // shards, self.num_cache_kv_heads // shards
-        qkv = self.packed_heads(x)
+        qkv = self.packed_heads(x, precision)
         heads = lambda start, count: qkv[..., start:start + count, :].reshape(  # noqa: E731
             *lead, shards * count, self.head_dim)
         return heads(0, local_q), heads(local_q, local_kv), heads(local_q + local_kv, local_kv)
 
-    def __call__(self, x, cos, sin, cache: kv.KVCache, metadata: AttentionMetadata):
-        """x [T, E], cos/sin [T, D] -> ([T, E], cache with this step's K/V written)."""
+    def __call__(self, x, cos, sin, cache: kv.KVCache, metadata: AttentionMetadata,
+                 precision: str):
+        """x [T, E], cos/sin [T, D] -> ([T, E], cache with this step's K/V written);
+        precision: of the projections and attention's dots (a `DOT_PRECISIONS` name)."""
         num_tokens = x.shape[0]
         q, cache = kv.rotate_and_write_layer(                                  # q [T, H, D]
-            cache, self.layer_index, self.packed_heads(x), cos, sin, metadata.slot_mapping,
-            backend=metadata.backend, interpret=metadata.interpret, mesh=self.mesh)
+            cache, self.layer_index, self.packed_heads(x, precision), cos, sin,
+            metadata.slot_mapping, backend=metadata.backend, interpret=metadata.interpret,
+            mesh=self.mesh)
         out = paged_attention(q, cache.k_pages[self.layer_index], cache.v_pages[self.layer_index],
                               metadata, scale=self.scale, mesh=self.mesh,
                               sliding_window=self.sliding_window,
-                              logits_soft_cap=self.logits_soft_cap)
-        return self.o_proj(out.reshape(num_tokens, -1)), cache
+                              logits_soft_cap=self.logits_soft_cap, precision=precision)
+        return self.o_proj(out.reshape(num_tokens, -1), precision), cache
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -93,10 +99,11 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = rms_norm(config.hidden_size, config, dtype)
         self.mlp = _mlp(config, dtype, rngs, mesh)
 
-    def __call__(self, x, cos, sin, cache, metadata):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata)
+    def __call__(self, x, cos, sin, cache, metadata, precision):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata,
+                                         precision)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x), precision), cache
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -112,10 +119,11 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = _mlp(config, dtype, rngs, mesh)
         self.post_feedforward_layernorm = rms_norm(config.hidden_size, config, dtype)
 
-    def __call__(self, x, cos, sin, cache, metadata):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata)
+    def __call__(self, x, cos, sin, cache, metadata, precision):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata,
+                                         precision)
         x = x + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(x), precision)
         return x + self.post_feedforward_layernorm(mlp_out), cache
 
 
@@ -153,27 +161,34 @@ class LlamaModel(nnx.Module):
         """The first layer's inverse frequencies [D/2] (tools/train_tiny.py's dense rotation)."""
         return self.rotaries[self.rotary_of_layer[0]].inv_frequencies
 
-    def __call__(self, token_ids, positions, cache, metadata):
+    def __call__(self, token_ids, positions, cache, metadata, precision):
         x = self.embed_tokens(token_ids)                                # [T, E]
         if self.embedding_scale is not None:
             x = x * jnp.asarray(self.embedding_scale, x.dtype)
         tables = [rotary.cos_sin(positions) for rotary in self.rotaries]   # each [T, D] x 2
         for layer, rotary in zip(self.layers, self.rotary_of_layer):
-            x, cache = layer(x, *tables[rotary], cache, metadata)
+            x, cache = layer(x, *tables[rotary], cache, metadata, precision)
         return self.norm(x), cache
 
 
 class LlamaForCausalLM(nnx.Module):
     """A Llama-family causal LM whose attention reads and writes the paged KV cache."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None,
+                 matmul_precision: str | None = None):
         """Random init (normal, std 0.02; norms the identity); `dtype` is the parameter dtype.
 
         mesh: the tensor-parallel mesh the parameters are (to be) sharded over (see
         `jpaged.parallel`); attention then runs its kernels per device. None: one device.
+        matmul_precision: "highest", "high" or "default" (`layers.DOT_PRECISIONS`); None:
+        "highest" for float32 parameters, else "default". A static attribute: it is part of the
+        model's graph, so programs of two precisions are never one program.
         """
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.matmul_precision = check_matmul_precision(
+            default_matmul_precision(self.dtype) if matmul_precision is None
+            else matmul_precision)
         self.mesh = mesh
         self.final_logit_softcapping = config.final_logit_softcapping
         self.model = LlamaModel(config, dtype=self.dtype, rngs=rngs, mesh=mesh)
@@ -188,13 +203,25 @@ class LlamaForCausalLM(nnx.Module):
         these tokens into kv_cache, then attends through it.
         Returns (hidden [T, E] in the parameter dtype, after the final norm; the new KVCache).
         """
-        return self.model(token_ids, positions, kv_cache, metadata)
+        return self.model(token_ids, positions, kv_cache, metadata, self.matmul_precision)
 
     def compute_logits(self, hidden):
         """hidden [..., E] -> logits [..., V] in float32 (accumulated in float32), soft-capped
         by c * tanh(logits / c) when the model caps them (Gemma 2)."""
         weight = (self.model.embed_tokens.weight if self.lm_head is None
                   else self.lm_head.weight)[...]                          # [V, E]
-        logits = jnp.einsum("...e,ve->...v", hidden, weight, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...e,ve->...v", hidden, weight, preferred_element_type=jnp.float32,
+                            precision=DOT_PRECISIONS[self.matmul_precision])
         cap = self.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def with_matmul_precision(model: LlamaForCausalLM, matmul_precision: str) -> LlamaForCausalLM:
+    """`model` computing at `matmul_precision`: the model itself when it already does, else a copy
+    that shares its parameter arrays (the caller's model is left as it was)."""
+    check_matmul_precision(matmul_precision)
+    if model.matmul_precision == matmul_precision:
+        return model
+    copy = nnx.merge(*nnx.split(model))
+    copy.matmul_precision = matmul_precision
+    return copy

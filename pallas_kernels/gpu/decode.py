@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _online_softmax as softmax
-from pallas_kernels._compat import dot_f32, pl, plgpu, triton_params
+from pallas_kernels._compat import dot_f32, float32_precision, pl, plgpu, triton_params
 from pallas_kernels._validate import (check_decode_args, check_head_dim, check_options,
                                       check_power_of_two)
 
@@ -35,7 +35,7 @@ _MIN_DOT_ROWS = 16  # Triton's dot needs >= 16 along each side: a GQA group and 
 
 def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
                    group, padded_dim, tokens_per_step, tokens_per_split, num_splits, scale,
-                   sliding_window, logits_soft_cap, interpret):
+                   sliding_window, logits_soft_cap, precision, interpret):
     """One (sequence, kv head, split) program.
 
     Refs: context_lens [B]; block_tables [M] (this sequence's row); q [H, D] and out [H, D] (this
@@ -92,10 +92,10 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pag
             kv_mask = is_cached[:, None] & (dims < head_dim)[None, :]
         keys = plgpu.load(k_pages_ref.at[index], mask=kv_mask, other=0)      # [C, D']
         values = plgpu.load(v_pages_ref.at[index], mask=kv_mask, other=0)    # [C, D']
-        scores = dot_f32(q, keys, transpose_b=True) * scale                  # [R, C]
+        scores = dot_f32(q, keys, transpose_b=True, precision=precision) * scale  # [R, C]
         scores = softmax.soft_cap(scores, logits_soft_cap)
         visible = jnp.broadcast_to(is_cached[None, :], scores.shape)
-        return softmax.update(state, scores, values, visible), next_page
+        return softmax.update(state, scores, values, visible, precision=precision), next_page
 
     state, _ = jax.lax.fori_loop(0, num_steps, step,
                                  (softmax.initial_state(rows, padded_dim), pages_of(0)))
@@ -152,11 +152,12 @@ def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "sliding_window", "logits_soft_cap", "interpret", "num_splits", "tokens_per_step",
-    "num_warps", "num_stages"))
+    "scale", "sliding_window", "logits_soft_cap", "precision", "interpret", "num_splits",
+    "tokens_per_step", "num_warps", "num_stages"))
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
-                           sliding_window=None, logits_soft_cap=None, interpret=False,
-                           num_splits=None, tokens_per_step=None, num_warps=4, num_stages=None):
+                           sliding_window=None, logits_soft_cap=None, precision=None,
+                           interpret=False, num_splits=None, tokens_per_step=None, num_warps=4,
+                           num_stages=None):
     """Paged decode attention on a GPU (Pallas Triton); same contract as the reference.
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D] (kv-head-major pages, block 0 a never-read sink);
@@ -164,7 +165,8 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     context_lens: [B] int32, including the current token; 0 marks a padding row (zeros out).
     Returns [B, H, D] in q's dtype; softmax in float32. H must be a multiple of K (MHA/GQA/MQA);
     D a multiple of 8 up to 256. sliding_window, logits_soft_cap: see `pallas_kernels.reference`
-    (None: off, and the kernel is the one without them).
+    (None: off, and the kernel is the one without them). precision: of the dots when q is
+    float32 (`_compat.float32_precision`; None: HIGHEST, full float32 rather than Triton's TF32).
 
     Static tiling: tokens_per_step (power of two >= 16, tokens per inner step, may span pages),
     num_splits (split-K partitions of the M*S context, or of the window), num_warps/num_stages
@@ -194,7 +196,8 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
         _decode_kernel, group=group, padded_dim=padded_dim, tokens_per_step=tokens_per_step,
         tokens_per_split=tokens_per_split, num_splits=num_splits,
         scale=head_dim ** -0.5 if scale is None else scale, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, interpret=interpret)
+        logits_soft_cap=logits_soft_cap, precision=float32_precision(precision),
+        interpret=interpret)
     grid = (batch, num_kv_heads, num_splits)
     per_sequence = lambda b, h, s: (b, 0, 0)  # noqa: E731
     in_specs = [

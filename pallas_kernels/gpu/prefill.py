@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _online_softmax as softmax
-from pallas_kernels._compat import dot_f32, pl, plgpu, triton_params
+from pallas_kernels._compat import dot_f32, float32_precision, pl, plgpu, triton_params
 from pallas_kernels._ragged import sequence_tiles
 from pallas_kernels._validate import (check_head_dim, check_options, check_power_of_two,
                                       check_prefill_args)
@@ -30,7 +30,8 @@ from pallas_kernels._validate import (check_head_dim, check_options, check_power
 
 def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, tiles_ref,
                     q_ref, k_pages_ref, v_pages_ref, o_ref, *, group, padded_group, block_q,
-                    padded_dim, tokens_per_step, scale, sliding_window, logits_soft_cap):
+                    padded_dim, tokens_per_step, scale, sliding_window, logits_soft_cap,
+                    precision):
     """One (tile, kv head) program.
 
     Refs: context_lens [B], block_tables [B, M], query_start_loc [B+1], tiles [3, num_tiles]
@@ -78,12 +79,12 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
             kv_mask = is_cached[:, None] & (dims < head_dim)[None, :]
         keys = plgpu.load(k_pages_ref.at[index], mask=kv_mask, other=0)   # [C, D']
         values = plgpu.load(v_pages_ref.at[index], mask=kv_mask, other=0)
-        scores = dot_f32(q, keys, transpose_b=True) * scale                # [R, C]
+        scores = dot_f32(q, keys, transpose_b=True, precision=precision) * scale  # [R, C]
         scores = softmax.soft_cap(scores, logits_soft_cap)
         visible = is_cached[None, :] & (key[None, :] <= position[:, None])
         if sliding_window is not None:
             visible &= key[None, :] > position[:, None] - sliding_window
-        return softmax.update(state, scores, values, visible)
+        return softmax.update(state, scores, values, visible, precision=precision)
 
     num_keys = kv_end if sliding_window is None else kv_end - kv_begin
     num_steps = pl.cdiv(jnp.maximum(num_keys, 0), tokens_per_step)
@@ -94,12 +95,12 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "sliding_window", "logits_soft_cap", "interpret", "block_q", "tokens_per_step",
-    "num_warps", "num_stages"))
+    "scale", "sliding_window", "logits_soft_cap", "precision", "interpret", "block_q",
+    "tokens_per_step", "num_warps", "num_stages"))
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
                             scale=None, sliding_window=None, logits_soft_cap=None,
-                            interpret=False, block_q=None, tokens_per_step=None, num_warps=4,
-                            num_stages=2):
+                            precision=None, interpret=False, block_q=None, tokens_per_step=None,
+                            num_warps=4, num_stages=2):
     """Ragged causal prefill/chunk attention on a GPU (Pallas Triton); same contract as the reference.
 
     q: [T, H, D], all sequences' query rows back to back; sequence b owns rows
@@ -110,7 +111,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     position context_lens[b] - q_len[b] + i and sees keys at positions <= its own. A q_len of 1 is a
     decode row; mixed batches work. Returns [T, H, D] in q's dtype; softmax in float32.
     D: a multiple of 8 up to 256. sliding_window, logits_soft_cap: see `pallas_kernels.reference`
-    (None: off, and the kernel is the one without them).
+    (None: off, and the kernel is the one without them). precision: of the dots when q is
+    float32 (`_compat.float32_precision`; None: HIGHEST, full float32 rather than Triton's TF32).
 
     Static tiling: block_q (query tokens per tile, power of two; a program's matrix has
     block_q * G' >= 16 rows, G' = G rounded up to a power of two; None: 64 rows), tokens_per_step
@@ -139,7 +141,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     kernel = functools.partial(_prefill_kernel, group=group, padded_group=padded_group,
                                block_q=block_q, padded_dim=padded_dim,
                                tokens_per_step=tokens_per_step, scale=scale,
-                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               precision=float32_precision(precision))
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel,

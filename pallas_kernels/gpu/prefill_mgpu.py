@@ -32,7 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._compat import mosaic_gpu_interpret, mosaic_gpu_problem, pl, plmgpu
+from pallas_kernels._compat import (float32_precision, mosaic_gpu_interpret, mosaic_gpu_problem,
+                                    pl, plmgpu)
 from pallas_kernels._ragged import sequence_tiles
 from pallas_kernels._validate import check_options, check_prefill_args, raise_if
 from pallas_kernels.gpu import prefill_mgpu_body as body_module
@@ -133,19 +134,20 @@ def _check_tiling(q, k_pages, *, block_q, block_kv, num_stages, compute_wgs,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "sliding_window", "logits_soft_cap", "interpret", "block_q", "block_kv",
-    "num_stages", "compute_wgs", "warp_specialized"))
+    "scale", "sliding_window", "logits_soft_cap", "precision", "interpret", "block_q",
+    "block_kv", "num_stages", "compute_wgs", "warp_specialized"))
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
                             scale=None, sliding_window=None, logits_soft_cap=None,
-                            interpret=False, block_q=None, block_kv=None, num_stages=2,
-                            compute_wgs=None, warp_specialized=False):
+                            precision=None, interpret=False, block_q=None, block_kv=None,
+                            num_stages=2, compute_wgs=None, warp_specialized=False):
     """Ragged causal prefill/chunk attention on a Hopper GPU (Pallas Mosaic GPU).
 
     Same contract as `pallas_kernels.gpu.prefill.paged_attention_prefill`: q [T, H, D]; pages
     [K, N, S, D] (block 0 a never-read sink); block_tables [B, M], context_lens [B] (including the
     chunk), query_start_loc [B+1], all int32; rows past query_start_loc[B] come back as zeros.
     Returns [T, H, D] in q's dtype; softmax in float32. D: a multiple of 64 up to 256; dtype
-    bfloat16 or float16; S a power of two >= 8.
+    bfloat16 or float16; S a power of two >= 8. precision (of float32 dots, the other kernels'
+    argument) is checked but has nothing to act on: every operand here is 16-bit.
 
     Static tiling: block_q (query tokens per tile; block_q * G must split into compute_wgs
     multiples of 64 rows; None: `default_block_q`), block_kv (keys per step, a multiple of 64 and
@@ -161,6 +163,7 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     """
     check_prefill_args(q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
     check_options(sliding_window, logits_soft_cap)
+    float32_precision(precision)
     raise_if(mosaic_gpu_problem())
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape

@@ -19,14 +19,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _online_softmax as softmax
-from pallas_kernels._compat import dot_f32, pl, pltpu, tpu_interpret, tpu_params
+from pallas_kernels._compat import (dot_f32, mosaic_tpu_precision, pl, pltpu, tpu_interpret,
+                                    tpu_params)
 from pallas_kernels._validate import check_decode_args, check_head_dim, check_options
 from pallas_kernels.tpu import _dma
 
 
 def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_hbm, v_pages_hbm, o_ref,
                    k_buffer, v_buffer, k_sems, v_sems, *, pages_per_chunk, max_blocks, scale,
-                   sliding_window, logits_soft_cap):
+                   sliding_window, logits_soft_cap, precision):
     """One (sequence, kv head) program.
 
     Scalar prefetch (SMEM): context_lens [B], block_tables [B*M] (flattened). q_ref, o_ref: [G, D]
@@ -62,10 +63,10 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_hbm, v_pag
         if sliding_window is not None:
             is_cached &= token >= first_key
         values = _dma.zero_stale_rows(values, first_token(chunk), context_len)
-        scores = dot_f32(q, keys, transpose_b=True) * scale               # [G, C]
+        scores = dot_f32(q, keys, transpose_b=True, precision=precision) * scale  # [G, C]
         scores = softmax.soft_cap(scores, logits_soft_cap)
         visible = jnp.broadcast_to(is_cached, scores.shape)
-        return softmax.update(state, scores, values, visible)
+        return softmax.update(state, scores, values, visible, precision=precision)
 
     state = _dma.fold_chunks(fetcher, num_chunks, chunk_step,
                              softmax.initial_state(group, head_dim))
@@ -73,10 +74,10 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_hbm, v_pag
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap",
-                                             "interpret", "pages_per_chunk"))
+                                             "precision", "interpret", "pages_per_chunk"))
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
-                           sliding_window=None, logits_soft_cap=None, interpret=False,
-                           pages_per_chunk=None):
+                           sliding_window=None, logits_soft_cap=None, precision=None,
+                           interpret=False, pages_per_chunk=None):
     """Paged decode attention on a TPU (Pallas Mosaic TPU); same contract as the reference.
 
     q: [B, H, D]; k_pages, v_pages: [K, N, S, D] (kv-head-major pages, block 0 a never-read sink);
@@ -84,7 +85,8 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     context_lens: [B] int32, including the current token; 0 marks a padding row (zeros out).
     Returns [B, H, D] in q's dtype; softmax in float32. H must be a multiple of K; D a multiple
     of 8 up to 256. sliding_window, logits_soft_cap: see `pallas_kernels.reference` (None: off,
-    and the kernel is the one without them).
+    and the kernel is the one without them). precision: of the dots when q is float32
+    (`_compat.mosaic_tpu_precision`; None: HIGHEST).
 
     Static tiling: pages_per_chunk (pages per DMA chunk; None: enough for ~128 tokens).
     interpret=True runs under `pltpu.InterpretParams()` (CPU tests; raises on out-of-range reads).
@@ -103,7 +105,8 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     group_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, *_: (b, h, 0, 0))
     kernel = functools.partial(_decode_kernel, pages_per_chunk=pages_per_chunk,
                                max_blocks=max_blocks, scale=scale, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap)
+                               logits_soft_cap=logits_soft_cap,
+                               precision=mosaic_tpu_precision(precision))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _online_softmax as softmax
-from pallas_kernels._compat import dot_f32, pl, pltpu, tpu_interpret, tpu_params
+from pallas_kernels._compat import (dot_f32, mosaic_tpu_precision, pl, pltpu, tpu_interpret,
+                                    tpu_params)
 from pallas_kernels._ragged import tile_sequences
 from pallas_kernels._validate import check_head_dim, check_options, check_prefill_args
 from pallas_kernels.tpu import _dma
@@ -29,7 +30,7 @@ from pallas_kernels.tpu import _dma
 def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, tile_seqs_ref,
                     q_ref, k_pages_hbm, v_pages_hbm, o_ref, k_buffer, v_buffer, k_sems, v_sems,
                     m_scratch, l_scratch, acc_scratch, *, pages_per_chunk, max_blocks, scale,
-                    sliding_window, logits_soft_cap):
+                    sliding_window, logits_soft_cap, precision):
     """One (query tile, kv head) program.
 
     Scalar prefetch: context_lens [B], block_tables [B*M], query_start_loc [B+1], tile_seqs
@@ -78,7 +79,7 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
             values = _dma.zero_stale_rows(values, first_token, kv_end)
             for head in range(group):
                 _update_head(head, q_ref, keys, values, visible, scale, logits_soft_cap,
-                             m_scratch, l_scratch, acc_scratch)
+                             precision, m_scratch, l_scratch, acc_scratch)
             return carry
 
         return _dma.fold_chunks(fetcher, num_chunks, chunk_step, carry)
@@ -90,23 +91,24 @@ def _prefill_kernel(context_lens_ref, block_tables_ref, query_start_loc_ref, til
         o_ref[head] = softmax.finalize(state).astype(o_ref.dtype)
 
 
-def _update_head(head, q_ref, keys, values, visible, scale, logits_soft_cap, m_scratch,
-                 l_scratch, acc_scratch):
+def _update_head(head, q_ref, keys, values, visible, scale, logits_soft_cap, precision,
+                 m_scratch, l_scratch, acc_scratch):
     """Fold one K/V chunk into query head `head`'s softmax state held in scratch."""
-    scores = dot_f32(q_ref[head], keys, transpose_b=True) * scale  # [R, C]
+    scores = dot_f32(q_ref[head], keys, transpose_b=True, precision=precision) * scale  # [R, C]
     scores = softmax.soft_cap(scores, logits_soft_cap)
     state = (m_scratch[head], l_scratch[head], acc_scratch[head])
-    m_new, l_new, acc_new = softmax.update(state, scores, values, visible)
+    m_new, l_new, acc_new = softmax.update(state, scores, values, visible, precision=precision)
     m_scratch[head] = m_new
     l_scratch[head] = l_new
     acc_scratch[head] = acc_new
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap",
-                                             "interpret", "block_q", "pages_per_chunk"))
+                                             "precision", "interpret", "block_q",
+                                             "pages_per_chunk"))
 def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
                             scale=None, sliding_window=None, logits_soft_cap=None,
-                            interpret=False, block_q=128, pages_per_chunk=None):
+                            precision=None, interpret=False, block_q=128, pages_per_chunk=None):
     """Ragged causal prefill/chunk attention on a TPU (Pallas Mosaic TPU); same contract as the reference.
 
     q: [T, H, D], all sequences' query rows back to back; sequence b owns rows
@@ -117,7 +119,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     position context_lens[b] - q_len[b] + i and sees keys at positions <= its own. A q_len of 1 is a
     decode row; mixed batches work. Returns [T, H, D] in q's dtype; softmax in float32.
     D: a multiple of 8 up to 256. sliding_window, logits_soft_cap: see `pallas_kernels.reference`
-    (None: off, and the kernel is the one without them).
+    (None: off, and the kernel is the one without them). precision: of the dots when q is
+    float32 (`_compat.mosaic_tpu_precision`; None: HIGHEST).
 
     Static tiling: block_q (query rows per program, a multiple of 8; capped at T rounded up to 8;
     q is padded to a multiple of it), pages_per_chunk (pages per DMA chunk; None: ~128 tokens).
@@ -142,7 +145,8 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     tile_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda t, h, *_: (h, 0, t, 0))
     kernel = functools.partial(_prefill_kernel, pages_per_chunk=pages_per_chunk,
                                max_blocks=block_tables.shape[1], scale=scale,
-                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               precision=mosaic_tpu_precision(precision))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
