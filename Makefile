@@ -32,12 +32,20 @@ test: $(VENV)/.installed-dev
 # on a CUDA GPU, with the machine's own Python (a GPU machine brings its jax[cuda]; no venv).
 # Engines in these tests start with warm-up off, so the suite runs in minutes. Refuses to run
 # where JAX sees no GPU (every test would skip and the run would look green).
+# Only the files that hold such tests are collected: a GPU machine need not have the server's
+# packages (fastapi) that other test files import. Four workers share the GPU, each allocating
+# as it needs (not JAX's default 75% up front): compiling the kernels is the suite's cost, and
+# it runs on the host's cores. GPU_PYTEST_ARGS adds pytest options (e.g. -v).
 GPU_PYTHON ?= python3
+GPU_TEST_FILES = $(shell grep -lE 'mark\.gpu' tests/test_*.py)
+GPU_WORKERS ?= 4
+GPU_PYTEST_ARGS ?=
 test-gpu:
 	@$(GPU_PYTHON) -c "import jax, sys; sys.exit(None if jax.default_backend() == 'gpu' else \
 		'make test-gpu: JAX sees no GPU here (backend: ' + jax.default_backend() + ')')"
-	$(GPU_PYTHON) -m pytest -m "gpu or gpu_suite" -o addopts="" -q -rfEs -p no:cacheprovider \
-		--durations=10
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PYTHON) -m pytest -m "gpu or gpu_suite" \
+		-o addopts="" -q -rfEs -p no:cacheprovider -n $(GPU_WORKERS) --dist load \
+		--durations=15 $(GPU_PYTEST_ARGS) $(GPU_TEST_FILES)
 
 bench-alloc: $(VENV)/.installed-dev
 	$(PY) benchmarks/allocator_step.py
