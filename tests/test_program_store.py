@@ -19,6 +19,7 @@ from jpaged import LLMEngine, SamplingParams
 from jpaged.blocks import ops
 from jpaged.engine import executable_store, programs
 from jpaged.engine.executable_store import Store
+from tests.engine_run import greedy_tokens
 
 SMALL = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
              warmup=False, preemption_mode="recompute")
@@ -30,12 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def generate(engine, prompt=PROMPT) -> list[int]:
-    engine.add_request("r", prompt_token_ids=list(prompt), params=GREEDY)
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                return list(output.outputs[0].token_ids)
-    raise AssertionError("the request did not finish")
+    return greedy_tokens(engine, prompt, GREEDY.max_tokens)
 
 
 def new_process_engine(directory, **options) -> LLMEngine:

@@ -18,6 +18,7 @@ from jpaged import LLMEngine, SamplingParams
 from jpaged.blocks.ops import OPERATIONS
 from jpaged.engine import compile_cache, programs, warmup
 from jpaged.engine.executable_store import Store
+from tests.engine_run import greedy_tokens
 
 SMALL = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
              warmup=False, preemption_mode="recompute")
@@ -35,12 +36,7 @@ jax.monitoring.register_event_duration_secs_listener(_record)
 
 
 def generate(engine, prompt=(5, 6, 7, 8, 9)) -> list[int]:
-    engine.add_request("r", prompt_token_ids=list(prompt), params=GREEDY)
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                return list(output.outputs[0].token_ids)
-    raise AssertionError("the request did not finish")
+    return greedy_tokens(engine, prompt, GREEDY.max_tokens)
 
 
 def forget_compiled():
