@@ -24,9 +24,9 @@ run: $(VENV)/.installed-base
 	$(PY) -m jpaged.main $(ARGS)
 
 # Two workers (the CI machine has 2 cores); a test file stays on one worker, so its module
-# fixtures and compiled programs are built once.
+# fixtures and compiled programs are built once. The 15 slowest tests are listed at the end.
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15
 
 # The GPU suite: every GPU-marked test and the engine tests marked to run there too, compiled
 # on a CUDA GPU, with the machine's own Python (a GPU machine brings its jax[cuda]; no venv).

@@ -1,18 +1,33 @@
 """Session fixtures shared across the suite: tiny Hugging Face checkpoints built once per run."""
 
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import jax
 import pytest
+from hypothesis import HealthCheck, settings
 
 MAX_MAPPINGS_KEPT = 15_000
 
 # Engines keep compiled programs in the user's cache directory by default: the suite's go to a
-# directory of its own (inherited by the servers and workers it starts), never ~/.cache.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jpaged-test-cache-")
+# directory of their pytest process (inherited by the servers and workers it starts), never
+# ~/.cache. The run's first process (xdist's controller, or pytest alone) makes the directory
+# that holds them and removes it when it exits, so no run leaves one behind, even where a
+# worker was ended by a test's timeout.
+_CACHE_ROOT = "JPAGED_TEST_CACHE_ROOT"
+if _CACHE_ROOT not in os.environ:
+    os.environ[_CACHE_ROOT] = tempfile.mkdtemp(prefix="jpaged-test-cache-")
+    atexit.register(shutil.rmtree, os.environ[_CACHE_ROOT], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(dir=os.environ[_CACHE_ROOT])
+
+# No example may fail by the time it takes: a slow or busy machine is no bug. (Hypothesis's
+# default gives each example 200 ms and calls slow data generation an error.)
+settings.register_profile("jpaged", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("jpaged")
 
 
 @pytest.fixture(autouse=True, scope="module")

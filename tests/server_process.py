@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests import child_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +31,7 @@ def server_process(flags: list[str], log_path: Path, *, command=("-m", "jpaged.s
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
+        process = child_process.popen(
             [sys.executable, *command, "--host", "127.0.0.1", f"--port={port}", *flags],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"

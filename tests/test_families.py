@@ -7,7 +7,6 @@ features included, is in tests/test_models.py.)"""
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from jpaged.config import ModelConfig
 from jpaged.models import LlamaForCausalLM, checkpoint_tensors, load_model
 from tests import families_worker
 from tests.hf_fixtures import NEW_FAMILIES
+from tests import child_process
 
 ROOT = Path(__file__).resolve().parent.parent
 # The fused Phi-3 packing and Gemma 3's layer (q/k and (1 + weight) norms, two rotaries) at
@@ -59,7 +59,7 @@ def engine_runs(hf_checkpoints) -> dict:
     paths = [hf_checkpoints[name] for name in NEW_FAMILIES]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count="
                f"{TENSOR_PARALLEL_SIZE}", JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
-    out = subprocess.run([sys.executable, "-m", "tests.families_worker",
+    out = child_process.run([sys.executable, "-m", "tests.families_worker",
                           str(TENSOR_PARALLEL_SIZE), *paths], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -7,7 +7,6 @@ IndexError on any out-of-range read (a block-table entry or a page). Pages no se
 
 import functools
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import reference, testing
 from pallas_kernels.testing import TOLERANCE, max_row_error
+from tests import child_process
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
                                 reason="TPU interpret tests run on the CPU only")
@@ -163,7 +163,7 @@ def test_out_of_range_page_read_is_caught():
     for ordered effects holding the error (when the CPU ran the kernel asynchronously, as under
     a loaded test run), and then every later interpreted kernel in the process fails with it."""
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", _OUT_OF_RANGE_CHECK], cwd=root,
+    proc = child_process.run([sys.executable, "-c", _OUT_OF_RANGE_CHECK], cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search("(?i)out of bounds|out-of-bounds|index", proc.stdout), proc.stdout[-3000:]

@@ -4,11 +4,11 @@ model presets it ships as package data."""
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests import child_process
 
 ROOT = Path(__file__).resolve().parent.parent
 # What pyproject.toml builds the wheel from (readme = "README.md" is read too).
@@ -18,7 +18,8 @@ CHECK = ("import jpaged; from jpaged.config import ModelConfig; print(jpaged.__f
 
 
 def run(args, cwd, env=None):
-    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    result = child_process.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                               timeout=600)
     assert result.returncode == 0, f"{' '.join(map(str, args))}\n{result.stdout}{result.stderr}"
     return result.stdout
 

@@ -24,6 +24,7 @@ from jpaged import parallel
 from jpaged.config import ModelConfig
 from jpaged.serve.data_parallel import DataParallelEngine, pick_replica
 from jpaged.engine.builder import EngineConfig, build_engine_config
+from tests import child_process
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_TIMEOUT = 600
@@ -34,12 +35,12 @@ def _worker(*args, devices: int) -> subprocess.Popen:
     sharding and parity, not speed, and compiling takes half the time."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
-    return subprocess.Popen([sys.executable, "-m", "tests.parallel_worker", *args], cwd=ROOT,
+    return child_process.popen([sys.executable, "-m", "tests.parallel_worker", *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _result(process: subprocess.Popen) -> dict:
-    out, err = process.communicate(timeout=WORKER_TIMEOUT)
+    out, err = child_process.communicate(process, WORKER_TIMEOUT)
     assert process.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 

@@ -19,6 +19,7 @@ from jpaged import LLMEngine, SamplingParams
 from jpaged.blocks import ops
 from jpaged.engine import executable_store, programs
 from jpaged.engine.executable_store import Store
+from tests import child_process
 from tests.engine_run import greedy_tokens
 
 SMALL = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
@@ -247,13 +248,13 @@ while engine.has_unfinished():
 
 
 def _start(directory, options):
-    return subprocess.Popen([sys.executable, "-c", _WORKER, str(directory),
+    return child_process.popen([sys.executable, "-c", _WORKER, str(directory),
                              json.dumps({**SMALL, **options})], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _result(process) -> dict:
-    out, err = process.communicate(timeout=600)
+    out, err = child_process.communicate(process, 600)
     assert process.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 

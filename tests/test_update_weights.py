@@ -7,7 +7,6 @@ import functools
 import json
 import os
 import shutil
-import subprocess
 import sys
 import types
 import weakref
@@ -25,6 +24,7 @@ from jpaged.engine.device_step import split_model
 from jpaged.models import load_model
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from tests.weights_worker import ENGINE_OPTIONS, MAX_TOKENS, PROMPTS, greedy, warm_block_ops
+from tests import child_process
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "llama_gqa"
@@ -225,7 +225,7 @@ def test_every_family_round_trips_through_the_names(hf_checkpoints, name):
 def test_tensor_parallel_update(dirs):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count="
                f"{TENSOR_PARALLEL_SIZE}", JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
-    out = subprocess.run([sys.executable, "-m", "tests.weights_worker", dirs["a"], dirs["b"],
+    out = child_process.run([sys.executable, "-m", "tests.weights_worker", dirs["a"], dirs["b"],
                           str(TENSOR_PARALLEL_SIZE)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
