@@ -1,14 +1,13 @@
 """Incremental detokenizer against a tiny byte-level BPE: deltas add up to tokenizer.decode,
 characters split across tokens come out whole, stop strings truncate and never leak."""
 
-import time
-
 import pytest
 import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from jpaged import detokenizer
 from jpaged.detokenizer import IncrementalDetokenizer, StopMatcher
 from jpaged.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
@@ -208,22 +207,43 @@ def test_stop_matching_is_linear_in_the_text_at_the_caps(length):
     assert (consumed, stop) == (2 + length, stops[5])
 
 
-def test_max_stop_strings_at_max_length_cost_little_per_token(tokenizer):
+class CountingMatcher:
+    """A StopMatcher that counts its work: characters fed, fail links followed, hold-back
+    queries."""
+
+    def __init__(self, matcher: StopMatcher):
+        self._matcher = matcher
+        self._matcher._fail = CountingList(matcher._fail)
+        self.chars_fed = self.held_back_queries = 0
+
+    def start(self) -> int:
+        return self._matcher.start()
+
+    def feed(self, state: int, text: str):
+        self.chars_fed += len(text)
+        return self._matcher.feed(state, text)
+
+    def held_back_len(self, state: int) -> int:
+        self.held_back_queries += 1
+        return self._matcher.held_back_len(state)
+
+
+def test_max_stop_strings_at_max_length_cost_little_per_token(tokenizer, monkeypatch):
     """The old per-token hold-back sliced every prefix of every stop string: 64 x 255 slices per
-    token, 17x the cost of decoding here. Now a token costs about what decoding it does (the
-    best of 3 runs each, and a generous bound, so a busy machine does not fail it)."""
+    token, 17x the cost of decoding here. Now each character of the output is fed to the
+    automaton once, its fail links are followed at most once per character, and a token's
+    hold-back is one query of the automaton's state, whatever the stop set."""
     ids = tokenizer.encode("ab" * 1500).ids
     assert len(ids) >= 1000
-
-    def best_seconds(stop):
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            detok, deltas = stream(tokenizer, ids, stop=stop)
-            times.append(time.perf_counter() - start)
-        return min(times), detok, deltas
-
-    plain_seconds, plain, _ = best_seconds(())
-    seconds, detok, deltas = best_seconds(worst_case_stops(MAX_STOP_LENGTH))
-    assert seconds < 3 * plain_seconds + 0.01
+    plain, _ = stream(tokenizer, ids)
+    matchers = []
+    monkeypatch.setattr(detokenizer, "stop_matcher",
+                        lambda stop: matchers.append(CountingMatcher(StopMatcher(stop)))
+                        or matchers[-1])
+    CountingList.reads = 0
+    detok, deltas = stream(tokenizer, ids, stop=worst_case_stops(MAX_STOP_LENGTH))
+    (matcher,) = matchers
+    assert matcher.chars_fed == len(plain.text)
+    assert CountingList.reads <= len(plain.text)
+    assert matcher.held_back_queries <= len(ids)   # one per append, a token at a time
     assert not detok.is_stopped and "".join(deltas) + detok.flush() == plain.text

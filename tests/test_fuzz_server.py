@@ -17,6 +17,7 @@ from jpaged import LLM
 from jpaged.engine.builder import default_model_dir
 from jpaged.serve import build_app, model_info
 from jpaged.serve.async_engine import AsyncEngine
+from tests.engine_hold import GUARD_SECONDS
 from tests.test_serve import ENGINE_FLAGS
 
 MAX_REQUEST_BYTES = 1 << 20
@@ -175,11 +176,12 @@ def _check_reply(reply):
         assert reply.json()["choices"]
 
 
-def _wait_idle(engine, timeout: float = 10.0):
+def _wait_idle(engine):
     """Nothing running or waiting, and every usable block free (num_free_blocks counts cached
-    blocks no request holds, which a new request may evict; one block is the padding sink)."""
+    blocks no request holds, which a new request may evict; one block is the padding sink).
+    The deadline only guards against a hang."""
     usable = engine.config.num_kv_blocks - 1
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + GUARD_SECONDS
     while engine.num_unfinished_requests or engine.num_free_blocks != usable:
         assert time.monotonic() < deadline, (engine.num_unfinished_requests, engine.stats())
         time.sleep(0.01)

@@ -4,7 +4,6 @@ its loop stopped on an error) is a 503 naming the reason at /health, the request
 the server exits with status 1 for its supervisor to restart it; one failed step fails its
 requests alone and the server stays healthy."""
 
-import time
 
 import httpx
 from fastapi.testclient import TestClient
@@ -15,10 +14,13 @@ from jpaged.engine.llm_engine import LLMEngine
 from jpaged.serve.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine
 from jpaged.serve.cli import EXIT_DEAD_ENGINE
 from jpaged.serve.data_parallel import DataParallelEngine
+from tests.engine_hold import GUARD_SECONDS
 from tests.server_process import server_process
 from tests.test_serve import ENGINE_FLAGS, GOOD, _error, _metrics
 
-EXIT_DELAY = 3.0   # seconds: ample for the checks made while the dead server still answers
+# Seconds from death to exit: the checks made while the dead server still answers (a few
+# requests, well under a second alone) need it, so it is a wide guard, not a measurement.
+EXIT_DELAY = 15.0
 
 
 def test_a_server_whose_steps_keep_failing_says_so_then_exits_non_zero(tmp_path):
@@ -63,9 +65,9 @@ def test_a_server_whose_steps_keep_failing_says_so_then_exits_non_zero(tmp_path)
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
         assert _error(chat, 503)["code"] == "engine_dead"
 
-        dead_at = time.monotonic()   # the client's open connection must not hold the exit up
-        assert process.wait(timeout=EXIT_DELAY + 30) == EXIT_DEAD_ENGINE
-        assert time.monotonic() - dead_at > EXIT_DELAY - 1
+        # The replies above came from the dead server, so its exit waited; the client's open
+        # connection must not hold the exit up (the wait's limit only guards against a hang).
+        assert process.wait(timeout=EXIT_DELAY + GUARD_SECONDS) == EXIT_DEAD_ENGINE
     log = log_path.read_text()
     assert f"the engine is dead ({health['message']}); exiting with status 1" in log
 

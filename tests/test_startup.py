@@ -3,7 +3,6 @@ starts), how many programs a start compiles, and background compilation (a dispa
 program compiling on the pool and never compiles it twice)."""
 
 import os
-import subprocess
 import sys
 import threading
 import warnings
@@ -18,6 +17,7 @@ from jpaged import LLMEngine, SamplingParams
 from jpaged.blocks.ops import OPERATIONS
 from jpaged.engine import compile_cache, programs, warmup
 from jpaged.engine.executable_store import Store
+from tests import child_process
 from tests.engine_run import greedy_tokens
 
 SMALL = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
@@ -251,20 +251,25 @@ def test_the_pool_lowers_a_bounded_number_at_once_and_a_dispatch_never_waits(mon
 
 
 _EXIT_WHILE_COMPILING = """
-import time
+import threading
 import jax, jax.numpy as jnp, numpy as np
 from jpaged.engine.programs import Programs
 
+tracing, proceed = threading.Event(), threading.Event()
+
 @jax.jit
 def slow(x):
+    tracing.set()   # the first program is on a compile thread: hold it there until told
+    assert proceed.wait(120)
     for i in range(300):
         x = jnp.sin(x) * (i + 1.0) + jnp.cos(x[::-1])
     return x
 
 pool = Programs()
 futures = [pool.submit(("slow", n), slow, (np.zeros(64 + n, np.float32),), {}) for n in range(8)]
-time.sleep(0.3)
+assert tracing.wait(120)
 assert not futures[0].done()
+proceed.set()   # the script is done while that program (at least) still compiles
 print("done", flush=True)
 """
 
@@ -273,7 +278,7 @@ def test_a_process_that_ends_while_programs_compile_exits_cleanly():
     """A script that is done while warm-up still compiles behind it exits with status 0: the
     queued compiles are dropped and the running ones finish (a thread killed inside XLA's
     compiler aborts the process)."""
-    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_COMPILING], capture_output=True,
+    done = child_process.run([sys.executable, "-c", _EXIT_WHILE_COMPILING], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "done\n" and "terminate called" not in done.stderr
