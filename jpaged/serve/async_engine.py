@@ -267,7 +267,7 @@ class AsyncEngine:
             logger.exception("add_request failed for %s", request_id)
             self.num_engine_errors += 1
             self._abort_quietly(request_id)
-            sink.put(("error", request_id, EngineError(f"engine error: {err}")))
+            self._deliver([(sink, ("error", request_id, EngineError(f"engine error: {err}")))])
             return
         self._tracked[request_id] = _Tracked(sink, arrival, params)
         self._num_prompt_tokens += len(prompt_token_ids)
@@ -295,17 +295,25 @@ class AsyncEngine:
                 continue
             if output.error is not None:  # the engine failed this request alone
                 del self._tracked[output.request_id]
-                tracked.sink.put(("error", output.request_id,
-                                  EngineError(f"engine error: {output.error}")))
+                deliveries.append((tracked.sink, ("error", output.request_id,
+                                                  EngineError(f"engine error: {output.error}"))))
                 continue
             self.metrics.observe_progress(tracked, output, now)
-            deliveries.append((tracked.sink, output))
+            deliveries.append((tracked.sink, ("output", output.request_id, output)))
             if output.finished:
                 del self._tracked[output.request_id]
                 self._num_finished += 1
-        self.snapshot = self._stats()  # before delivery: a caller that saw its request finish
-        for sink, output in deliveries:  # then sees the metrics without its blocks
-            sink.put(("output", output.request_id, output))
+        self._deliver(deliveries)
+
+    def _deliver(self, deliveries: list[tuple[OutputSink, tuple]]):
+        """Take a stats snapshot, then hand out the events: a caller that saw its request end
+        (finished or failed) then sees the metrics without its blocks."""
+        try:
+            self.snapshot = self._stats()
+        except Exception:   # the events must go out even from a broken engine
+            logger.exception("engine stats failed")
+        for sink, event in deliveries:
+            sink.put(event)
 
     def _die(self, reason: str):
         """Mark the engine dead (first, so a caller told of its failure sees a dead engine), fail
@@ -328,10 +336,12 @@ class AsyncEngine:
                     f"the engine is not running: {self._dead_reason}")))
 
     def _fail_all(self, err: Exception):
-        for request_id, tracked in list(self._tracked.items()):
-            self._abort_quietly(request_id)
-            tracked.sink.put(("error", request_id, err))
+        failed = list(self._tracked.items())
         self._tracked.clear()
+        for request_id, _ in failed:
+            self._abort_quietly(request_id)
+        self._deliver([(tracked.sink, ("error", request_id, err))
+                       for request_id, tracked in failed])
 
     def _abort_quietly(self, request_id: str):
         """Abort after an engine error; a second error is logged, not allowed to stop the thread."""
