@@ -1,8 +1,8 @@
 """The serving layer: an OpenAI-compatible HTTP server over the engine's public API.
 
 `python -m jpaged.serve` runs it (`cli.main`). Modules: `cli` (flags, start-up), `app` (routes),
-`openai_api` (wire format), `async_engine` (the engine on its own thread), `data_parallel`
-(replicas behind one interface).
+`openai_api` (wire format), `tokenize_api` (the tokenizer endpoints), `async_engine` (the engine
+on its own thread), `data_parallel` (replicas behind one interface).
 """
 
 from jpaged.serve.app import build_app, model_info

@@ -6,6 +6,8 @@ that disconnects has its requests aborted, which frees their KV blocks at once.
 A dead engine (`AsyncEngine.dead_reason`) makes /health a 503 naming the reason and every new
 request a 503; `cli.main` then exits so that a supervisor restarts the server.
 
+/tokenize, /detokenize and /tokenizer_info (`tokenize_api`) answer from the tokenizer alone.
+
 No request may hurt another: bodies are capped while they are read (413), and parsing,
 tokenisation and chat-template rendering run on worker threads, so the event loop (and /health)
 stays responsive whatever a client sends. Every error is OpenAI's JSON error body.
@@ -22,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpaged.serve import openai_api as api
+from jpaged.serve import tokenize_api
 from jpaged.serve.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestGroup
 from jpaged.serve.data_parallel import DataParallelEngine
 
@@ -30,11 +33,14 @@ logger = logging.getLogger(__name__)
 
 
 def model_info(engine, model_dir, name: str) -> api.ModelInfo:
+    chat_template = api.ChatTemplate.from_model_dir(model_dir)
     return api.ModelInfo(name=name, tokenizer=engine.tokenizer,
                          vocab_size=engine.model_config.vocab_size,
                          max_model_len=engine.config.max_model_len,
-                         chat_template=api.ChatTemplate.from_model_dir(model_dir),
-                         max_token_chars=api.max_token_chars(engine.tokenizer))
+                         chat_template=chat_template,
+                         max_token_chars=api.max_token_chars(engine.tokenizer),
+                         tokenizer_info=tokenize_api.tokenizer_info(model_dir,
+                                                                    chat_template.source))
 
 
 
@@ -53,15 +59,19 @@ class _AbortingStreamingResponse(StreamingResponse):
             self._on_close()
 
 
+_TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class _RequireAPIKey:
-    """ASGI middleware: every /v1/ route answers 401 unless `Authorization: Bearer <key>`;
-    /health and /metrics stay open (as in vLLM)."""
+    """ASGI middleware: every /v1/ route and the tokenizer endpoints answer 401 unless
+    `Authorization: Bearer <key>`; /health and /metrics stay open (as in vLLM)."""
 
     def __init__(self, app, api_key: str):
         self.app, self._expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in _TOKENIZER_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self._expected):
                 error = api.APIError("Incorrect or missing API key: send 'Authorization: Bearer "
@@ -75,7 +85,8 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
               api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The ASGI app; its lifespan starts and stops the engine thread. With `api_key`, /v1/ routes
-    need it as a bearer token; bodies over `max_request_bytes` are answered 413."""
+    and the tokenizer endpoints need it as a bearer token; bodies over `max_request_bytes` are
+    answered 413."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         async_engine.start()
@@ -136,11 +147,24 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
         api.check_model({"model": model_id}, model.name)
         return model_card
 
-    async def parse_request(request: Request, parse) -> api.ParsedRequest:
-        """Body -> ParsedRequest on a worker thread: tokenising a long prompt or rendering a
-        template must not hold up the event loop, which answers every other client."""
+    async def parse_request(request: Request, parse):
+        """parse(body, model) on a worker thread (a ParsedRequest, or a tokenizer endpoint's
+        reply): tokenising a long prompt or rendering a template must not hold up the event
+        loop, which answers every other client."""
         raw = await _read_body(request, max_request_bytes)
         return await asyncio.to_thread(lambda: parse(api.parse_body(raw), model))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return JSONResponse(await parse_request(request, tokenize_api.tokenize))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return JSONResponse(await parse_request(request, tokenize_api.detokenize))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return JSONResponse(model.tokenizer_info)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -63,6 +63,7 @@ class ModelInfo:
     max_model_len: int
     chat_template: "ChatTemplate"
     max_token_chars: int | None = None   # see `max_token_chars`; None: no early length check
+    tokenizer_info: dict = dataclasses.field(default_factory=dict)   # GET /tokenizer_info
 
 
 def max_token_chars(tokenizer) -> int | None:
@@ -171,7 +172,7 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a b
                list: "an array", dict: "an object"}
 
 
-def _field(body: dict, name: str, kinds: tuple, default=None, *, required: bool = False):
+def body_field(body: dict, name: str, kinds: tuple, default=None, *, required: bool = False):
     """body[name] if present and of one of `kinds` (bool is never an int here); None -> default."""
     if name not in body or body[name] is None:
         if required:
@@ -204,7 +205,7 @@ def _reject_unsupported(body: dict, allowed=()):
 
 def check_model(body: dict, model_name: str):
     """An absent model means the served one; another name is a 404 (OpenAI's model_not_found)."""
-    name = _field(body, "model", (str,), model_name)
+    name = body_field(body, "model", (str,), model_name)
     if name != model_name:
         raise APIError(f"The model `{name}` does not exist. This server serves `{model_name}`.",
                        param="model", status=404, code="model_not_found")
@@ -216,15 +217,15 @@ def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool,
     prefix, tokens and logprobs new since the last output). A full reply asks for CUMULATIVE
     outputs, not FINAL_ONLY: the latency histograms (TTFT, TPOT) are observed on every output,
     and FINAL_ONLY would give them one, at the end."""
-    values = dict(n=_field(body, "n", (int,), 1),
-                  temperature=_field(body, "temperature", (float,), 1.0),
-                  top_p=_field(body, "top_p", (float,), 1.0),
-                  top_k=_field(body, "top_k", (int,), -1),
-                  min_p=_field(body, "min_p", (float,), 0.0),
-                  seed=_field(body, "seed", (int,)),
-                  stop=_field(body, "stop", (str, list)),
-                  stop_token_ids=_field(body, "stop_token_ids", (list,)),
-                  ignore_eos=_field(body, "ignore_eos", (bool,), False),
+    values = dict(n=body_field(body, "n", (int,), 1),
+                  temperature=body_field(body, "temperature", (float,), 1.0),
+                  top_p=body_field(body, "top_p", (float,), 1.0),
+                  top_k=body_field(body, "top_k", (int,), -1),
+                  min_p=body_field(body, "min_p", (float,), 0.0),
+                  seed=body_field(body, "seed", (int,)),
+                  stop=body_field(body, "stop", (str, list)),
+                  stop_token_ids=body_field(body, "stop_token_ids", (list,)),
+                  ignore_eos=body_field(body, "ignore_eos", (bool,), False),
                   max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE)
     try:
@@ -254,7 +255,7 @@ def _check_length(prompts: list[list[int]], max_tokens: int | None, max_model_le
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
-    options = _field(body, "stream_options", (dict,), {})
+    options = body_field(body, "stream_options", (dict,), {})
     if options and not stream:
         raise APIError("'stream_options' is only allowed with stream true", param="stream_options")
     include = options.get("include_usage", False)
@@ -265,7 +266,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
 
 
 def _prompt_logprobs(body: dict) -> int | None:
-    count = _field(body, "prompt_logprobs", (int,))
+    count = body_field(body, "prompt_logprobs", (int,))
     if count is not None and not 0 <= count <= MAX_LOGPROBS:
         raise APIError(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {count}",
                        param="prompt_logprobs")
@@ -277,15 +278,15 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     check_model(body, model.name)
     _reject_unsupported(body, allowed=("echo",))
     prompts = _completion_prompts(body, model)
-    logprobs = _field(body, "logprobs", (int,))
+    logprobs = body_field(body, "logprobs", (int,))
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}",
                        param="logprobs")
     prompt_logprobs = _prompt_logprobs(body)
-    max_tokens = _check_length(prompts, _field(body, "max_tokens", (int,), 16),
+    max_tokens = _check_length(prompts, body_field(body, "max_tokens", (int,), 16),
                                model.max_model_len, "prompt")
-    stream = _field(body, "stream", (bool,), False)
-    echo = _field(body, "echo", (bool,), False)
+    stream = body_field(body, "stream", (bool,), False)
+    echo = body_field(body, "echo", (bool,), False)
     if echo and stream:
         raise APIError("'echo' is not supported on streamed completions", param="echo",
                        code="unsupported_parameter")
@@ -300,7 +301,7 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
 
 def _completion_prompts(body: dict, model: ModelInfo) -> list[list[int]]:
     """`prompt`: a string, a list of strings, a list of token ids, or a list of such lists."""
-    prompt = _field(body, "prompt", (str, list), required=True)
+    prompt = body_field(body, "prompt", (str, list), required=True)
     if isinstance(prompt, str) or (prompt and all(isinstance(p, int) and not isinstance(p, bool)
                                                   for p in prompt)):
         prompt = [prompt]
@@ -334,7 +335,7 @@ def _prompt_ids(item, model: ModelInfo) -> list[int]:
 def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     check_model(body, model.name)
     _reject_unsupported(body)
-    messages = _chat_messages(body)
+    messages = chat_messages(body)
     if model.tokenizer is None:
         raise APIError("this model has no tokenizer, so chat is not available", param="messages")
     try:
@@ -343,27 +344,27 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
         raise APIError(f"the chat template failed on these messages: {err}",
                        param="messages") from err
     prompts = [_prompt_ids(encode(model, text, "messages", add_special_tokens=False), model)]
-    want_logprobs = _field(body, "logprobs", (bool,), False)
-    top = _field(body, "top_logprobs", (int,))
+    want_logprobs = body_field(body, "logprobs", (bool,), False)
+    top = body_field(body, "top_logprobs", (int,))
     if top is not None and not want_logprobs:
         raise APIError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise APIError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}",
                        param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    max_tokens = _field(body, "max_completion_tokens", (int,))
-    max_tokens = _field(body, "max_tokens", (int,), max_tokens)
+    max_tokens = body_field(body, "max_completion_tokens", (int,))
+    max_tokens = body_field(body, "max_tokens", (int,), max_tokens)
     prompt_logprobs = _prompt_logprobs(body)
     max_tokens = _check_length(prompts, max_tokens, model.max_model_len, "messages")
-    stream = _field(body, "stream", (bool,), False)
+    stream = body_field(body, "stream", (bool,), False)
     return ParsedRequest(True, prompts, _sampling_params(body, max_tokens=max_tokens,
                                                          logprobs=logprobs, stream=stream,
                                                          prompt_logprobs=prompt_logprobs),
                          stream, _stream_options(body, stream), logprobs, prompt_logprobs)
 
 
-def _chat_messages(body: dict) -> list[dict]:
-    messages = _field(body, "messages", (list,), required=True)
+def chat_messages(body: dict) -> list[dict]:
+    messages = body_field(body, "messages", (list,), required=True)
     if not messages:
         raise APIError("'messages' must not be empty", param="messages")
     parsed = []
