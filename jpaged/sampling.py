@@ -1,6 +1,7 @@
 """Sampling parameters (validated on the host) and the batched, batch-invariant on-device sampler.
 
-Axes: B batch rows (one per sequence), V vocabulary, L number of top logprobs (static).
+Axes: B batch rows (one per sequence), V vocabulary, L number of top logprobs (static), W logit
+bias entries per row (0 when no row of the batch has a bias, else MAX_LOGIT_BIAS).
 
 Randomness: row b draws its Gumbel noise from
     fold_in(fold_in(PRNGKey(seed[b]), sample_index[b]), position[b])
@@ -18,7 +19,7 @@ import enum
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -38,6 +39,9 @@ MAX_STOP_STRINGS = 64      # stop strings per request (OpenAI allows 4)
 MAX_STOP_LENGTH = 256      # characters per stop string: the matcher's automaton has at most
                            # MAX_STOP_STRINGS * MAX_STOP_LENGTH states per request
 MAX_STOP_TOKEN_IDS = 256   # stop_token_ids per request, far under the decode loop's stop-id buffer
+MAX_LOGIT_BIAS = 1024      # logit_bias entries per request: every row of a biased batch carries
+                           # this many (id, bias) pairs, padding included (8 KiB a row)
+MAX_BIAS = 100.0           # |bias| cap, OpenAI's: -100 in effect bans a token, +100 forces one
 MAX_TEMPERATURE = 1e4      # float32-exact; logits / temperature stay finite and ordered, and far
                            # below it sampling is already uniform in practice (a gap of 20 -> 2e-3)
 
@@ -82,6 +86,31 @@ def _check_stop(stop) -> tuple[str, ...]:
     return tuple(strings)
 
 
+def _check_logit_bias(logit_bias) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (or (id, bias) pairs) -> ((id, bias), ...) sorted by id."""
+    if logit_bias is None:
+        return ()
+    pairs = (list(logit_bias.items()) if isinstance(logit_bias, Mapping)
+             else logit_bias if isinstance(logit_bias, (list, tuple)) else None)
+    if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise ValueError("logit_bias must be a dict of token id -> bias, "
+                         f"got {str(logit_bias)[:80]}")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(pairs)} entries; at most MAX_LOGIT_BIAS="
+                         f"{MAX_LOGIT_BIAS} are allowed")
+    checked = {}
+    for token_id, bias in pairs:
+        token_id = _check_int("logit_bias", token_id, minimum=0)
+        bias = _check_float("logit_bias", bias)
+        if token_id > MAX_INT32 or abs(bias) > MAX_BIAS:
+            raise ValueError(f"logit_bias maps token ids to biases in [-{MAX_BIAS:g}, "
+                             f"{MAX_BIAS:g}], got {token_id}: {bias!r}")
+        if token_id in checked:
+            raise ValueError(f"logit_bias has token id {token_id} twice")
+        checked[token_id] = bias
+    return tuple(sorted(checked.items()))
+
+
 class RequestOutputKind(enum.IntEnum):
     """What a request's outputs carry as it runs (vLLM's names). CUMULATIVE: every output holds
     all tokens and text so far. DELTA: only what is new since the request's previous output.
@@ -122,7 +151,11 @@ class SamplingParams:
     top_p and a nonzero min_p must stay nonzero as float32; at most MAX_STOP_STRINGS stop strings
     of at most MAX_STOP_LENGTH characters; at most MAX_STOP_TOKEN_IDS stop_token_ids, each <=
     MAX_INT32 (the engine also checks them against its vocabulary); logprobs and prompt_logprobs
-    <= MAX_LOGPROBS.
+    <= MAX_LOGPROBS; logit_bias: at most MAX_LOGIT_BIAS entries, biases in [-MAX_BIAS, MAX_BIAS].
+
+    `logit_bias` (OpenAI's semantics) maps token ids to a bias added to their logits before
+    sampling, greedy rows included; it is stored as ((id, bias), ...) sorted by id. The logprobs
+    reported under "raw_logprobs" are the model's, unbiased; "processed_logprobs" include it.
     """
     n: int = 1
     temperature: float = 1.0
@@ -137,6 +170,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
 
     def __post_init__(self):
         fields = {
@@ -154,6 +188,7 @@ class SamplingParams:
             "prompt_logprobs": (None if self.prompt_logprobs is None else _check_int(
                 "prompt_logprobs", self.prompt_logprobs, minimum=0)),
             "output_kind": _check_output_kind(self.output_kind),
+            "logit_bias": _check_logit_bias(self.logit_bias),
         }
         if not 0 <= fields["temperature"] <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, MAX_TEMPERATURE={MAX_TEMPERATURE:g}], "
@@ -217,13 +252,16 @@ _PAD_ROW = dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, sample_
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["temperature", "top_k", "top_p", "min_p", "seeds",
-                                "sample_indices", "positions"],
+                                "sample_indices", "positions", "bias_ids", "bias_values"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SamplingTensors:
-    """Per-row sampling settings for one batch; all leaves are [B].
+    """Per-row sampling settings for one batch; leaves are [B], the logit bias [B, W].
 
-    Rows with temperature < GREEDY_TEMPERATURE are greedy and ignore the other settings.
+    Rows with temperature < GREEDY_TEMPERATURE are greedy and ignore the other settings but the
+    logit bias. A row's bias entries past its own are (token 0, bias 0.0): adding 0.0 changes no
+    logit. A batch with no biased row has W = 0 and adds nothing; any biased row makes it
+    MAX_LOGIT_BIAS, so there are two program variants, not one per bias count.
     `top_k` of -1 (or >= V) and `top_p` of 1 turn those filters off. In a multi-step loop, advance
     with `dataclasses.replace(t, positions=t.positions + 1)`.
     """
@@ -234,6 +272,8 @@ class SamplingTensors:
     seeds: jax.Array           # [B] uint32
     sample_indices: jax.Array  # [B] int32
     positions: jax.Array       # [B] int32
+    bias_ids: jax.Array        # [B, W] int32 token ids whose logits get a bias
+    bias_values: jax.Array     # [B, W] float32 the biases
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], batch_size: int | None = None
@@ -257,6 +297,13 @@ class SamplingTensors:
             columns["seed"][i] = row.seed % SEED_MODULUS
             columns["sample_index"][i] = row.sample_index
             columns["position"][i] = row.position
+        width = MAX_LOGIT_BIAS if any(row.params.logit_bias for row in rows) else 0
+        bias_ids = np.zeros((batch_size, width), np.int32)
+        bias_values = np.zeros((batch_size, width), np.float32)
+        for i, row in enumerate(rows):
+            if row.params.logit_bias:
+                ids, values = zip(*row.params.logit_bias)
+                bias_ids[i, :len(ids)], bias_values[i, :len(ids)] = ids, values
         return cls(
             temperature=np.asarray(columns["temperature"], np.float32),
             top_k=np.asarray(columns["top_k"], np.int32),
@@ -265,6 +312,7 @@ class SamplingTensors:
             seeds=np.asarray(columns["seed"], np.uint32),
             sample_indices=np.asarray(columns["sample_index"], np.int32),
             positions=np.asarray(columns["position"], np.int32),
+            bias_ids=bias_ids, bias_values=bias_values,
         )
 
 
@@ -311,20 +359,26 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     GPU each cond makes the dispatching thread wait for the device, so loops that must not block
     (the decode loop) pass a mode. A mode cheaper than the rows need is the caller's error.
 
+    Every row's logit bias is added first (greedy rows too): it decides the tokens.
+
     logprobs_mode (static, one of LOGPROBS_MODES): "raw_logprobs" reports log_softmax of the raw
-    logits; "processed_logprobs" that of the distribution actually sampled from (temperature
-    applied, filtered tokens at -inf; greedy rows keep their raw logits).
+    logits (no bias); "processed_logprobs" that of the distribution actually sampled from (bias
+    and temperature applied, filtered tokens at -inf; greedy rows keep their biased logits).
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
     if tensors.temperature.shape != logits.shape[:1]:
         raise ValueError(f"tensors must have one row per logits row ({logits.shape[0]}), "
                          f"got temperature shape {tensors.temperature.shape}")
+    if tensors.bias_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"tensors must have one bias row per logits row ({logits.shape[0]}), "
+                         f"got bias_ids shape {tensors.bias_ids.shape}")
     if not 0 <= num_logprobs <= logits.shape[1]:
         raise ValueError(f"num_logprobs must be in [0, V={logits.shape[1]}], got {num_logprobs}")
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-    logits = logits.astype(jnp.float32)
+    raw = logits.astype(jnp.float32)
+    logits = with_logit_bias(raw, tensors)
     is_greedy = tensors.temperature < GREEDY_TEMPERATURE                     # [B]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)               # [B]
     if logprobs_mode == "processed_logprobs":
@@ -341,7 +395,15 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
                               _sample_random(logits, tensors, is_greedy, sort=mode == "sort"))
     else:
         raise ValueError(f"mode must be None or one of {SAMPLER_MODES}, got {mode!r}")
-    return _with_logprobs(logits, token_ids, num_logprobs)
+    return _with_logprobs(raw, token_ids, num_logprobs)
+
+
+def with_logit_bias(logits: jax.Array, tensors: SamplingTensors) -> jax.Array:
+    """[B, V] logits plus each row's logit bias (nothing to add when W = 0)."""
+    if tensors.bias_ids.shape[1] == 0:
+        return logits
+    rows = jnp.arange(logits.shape[0])[:, None]                              # [B, 1]
+    return logits.at[rows, tensors.bias_ids].add(tensors.bias_values, mode="drop")
 
 
 def _with_logprobs(logits: jax.Array, token_ids: jax.Array, num_logprobs: int) -> SamplerOutput:

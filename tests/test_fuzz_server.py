@@ -72,7 +72,9 @@ SAMPLING = {
     "model": st.one_of(st.just("tiny"), TEXT, JUNK),
     "echo": st.one_of(st.booleans(), JUNK),
     "prompt_logprobs": st.one_of(st.integers(-2, 30), JUNK),
-    "logit_bias": st.one_of(st.just({}), JSON_VALUE),
+    "logit_bias": st.one_of(st.just({}), JSON_VALUE, st.dictionaries(
+        st.sampled_from(["0", "5", "255", "-1", "x", "05", "99999", "1e3"]),
+        st.one_of(st.floats(-150, 150), JUNK), max_size=3)),
     "best_of": st.one_of(st.integers(-1, 3), JUNK),
 }
 COMPLETION_ONLY = {"logprobs": st.one_of(st.integers(-2, 30), JUNK),

@@ -11,25 +11,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jpaged.sampling import (MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS,
+from jpaged.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS,
                              MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams, SamplingRow,
                              SamplingTensors,
                              request_seed, row_keys, sample)
 
-sample_jit = jax.jit(sample, static_argnames="num_logprobs")
+sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "mode", "logprobs_mode"))
 
 # A hand-worked distribution over 8 tokens (sums to 1).
 PROBS = np.array([0.4, 0.2, 0.15, 0.1, 0.08, 0.04, 0.02, 0.01], np.float64)
 NUM_DRAWS = 8192
 
 
-def run(rows, logits, batch_size=None, num_logprobs=0):
+def run(rows, logits, batch_size=None, num_logprobs=0, **static):
     tensors = SamplingTensors.from_rows(rows, batch_size)
     logits = np.asarray(logits, np.float32)
     if batch_size is not None and batch_size > logits.shape[0]:
         logits = np.concatenate([logits, np.zeros((batch_size - len(logits), logits.shape[1]),
                                                   np.float32)])
-    return jax.tree.map(np.asarray, sample_jit(logits, tensors, num_logprobs=num_logprobs))
+    return jax.tree.map(np.asarray, sample_jit(logits, tensors, num_logprobs=num_logprobs,
+                                               **static))
 
 
 def draws(params, probs=PROBS, seed=0):
@@ -49,7 +50,10 @@ INVALID = [
     ("min_p", math.inf), ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 1.0),
     ("seed", 1.5), ("seed", "7"), ("stop", ""), ("stop", [""]), ("stop", ["ok", 3]),
     ("stop", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 7),
-    ("ignore_eos", "yes"),
+    ("ignore_eos", "yes"), ("logit_bias", {3: 100.5}), ("logit_bias", {3: -101}),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {"3": 1.0}), ("logit_bias", {3: math.nan}),
+    ("logit_bias", {3: True}), ("logit_bias", [3, 4]), ("logit_bias", 3),
+    ("logit_bias", [(3, 1.0), (3, 2.0)]), ("logit_bias", {2**31: 1.0}),
     # past what the device holds: int32 overflow, or float32 rounding that changes the meaning
     ("top_k", 2**31), ("top_p", 1e-46), ("min_p", 1e-46), ("temperature", 1e308),
     ("temperature", MAX_TEMPERATURE * 1.01),
@@ -62,6 +66,7 @@ INVALID = [
     ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1), "MAX_STOP_TOKEN_IDS"),
     ("stop", ["x"] * (MAX_STOP_STRINGS + 1), "MAX_STOP_STRINGS"),
     ("stop", ["x" * (MAX_STOP_LENGTH + 1)], "MAX_STOP_LENGTH"),
+    ("logit_bias", {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, "MAX_LOGIT_BIAS"),
 ])
 def test_counts_and_ids_past_the_caps_raise_naming_the_field_and_cap(name, value, cap):
     with pytest.raises(ValueError, match=name) as error:
@@ -72,7 +77,9 @@ def test_counts_and_ids_past_the_caps_raise_naming_the_field_and_cap(name, value
 def test_values_at_the_caps_are_accepted():
     params = SamplingParams(top_k=2**31 - 1, temperature=MAX_TEMPERATURE, top_p=1e-45,
                             min_p=1e-45, stop_token_ids=[2**31 - 1] * MAX_STOP_TOKEN_IDS,
-                            stop=["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS)
+                            stop=["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS,
+                            logit_bias={i: (-1) ** i * 100 for i in range(MAX_LOGIT_BIAS)})
+    assert len(params.logit_bias) == MAX_LOGIT_BIAS
     assert np.float32(params.top_p) > 0 and np.isfinite(np.float32(params.temperature))
 
 
@@ -80,7 +87,7 @@ def test_values_at_the_caps_are_accepted():
 def test_invalid_params_raise_value_error_naming_the_parameter(name, value):
     with pytest.raises(ValueError, match=name) as error:
         SamplingParams(**{name: value})
-    if not isinstance(value, list):
+    if not isinstance(value, (list, dict)):
         assert repr(value) in str(error.value)
 
 
@@ -94,6 +101,9 @@ def test_params_are_normalised_hashable_and_revalidated_on_replace():
     assert params.is_greedy and SamplingParams(temperature=1e-6).is_greedy
     assert not SamplingParams(temperature=1e-4).is_greedy
     assert dataclasses.replace(params, n=3).stop == ("###",)
+    biased = SamplingParams(logit_bias={9: -1, 2: 0.5})
+    assert biased.logit_bias == ((2, 0.5), (9, -1.0)) and SamplingParams().logit_bias == ()
+    assert hash(biased) == hash(SamplingParams(logit_bias=[(9, -1.0), (2, 0.5)]))
     with pytest.raises(ValueError, match="top_k"):
         dataclasses.replace(params, top_k=0)
 
@@ -127,6 +137,13 @@ def test_from_rows_pads_with_greedy_rows_and_rejects_overflow():
     greedy = SamplingTensors.from_rows([SamplingRow(SamplingParams(temperature=0, top_k=3), 1,
                                                     0, 0)])
     assert list(greedy.top_k) == [-1]  # a greedy row never triggers the sort
+    assert tensors.bias_ids.shape == tensors.bias_values.shape == (4, 0)  # nothing to add
+    biased = SamplingTensors.from_rows(
+        rows + [SamplingRow(SamplingParams(logit_bias={7: -2.5, 3: 1}), 0, 0, 0)], batch_size=4)
+    assert biased.bias_ids.shape == (4, MAX_LOGIT_BIAS) and biased.bias_ids.dtype == np.int32
+    assert list(biased.bias_ids[1, :3]) == [3, 7, 0] and not biased.bias_ids[[0, 2, 3]].any()
+    assert list(biased.bias_values[1, :3]) == [1.0, -2.5, 0.0]
+    assert not biased.bias_values[[0, 2, 3]].any()
     with pytest.raises(ValueError, match="batch_size"):
         SamplingTensors.from_rows(rows * 3, batch_size=2)
 
@@ -299,3 +316,59 @@ def test_host_chosen_sampler_mode_equals_the_device_decision(rows_params, mode):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="mode"):
         sample(logits, tensors, mode="fast")
+
+
+# ---------------------------------------------------------------------------- logit bias
+
+
+def test_logit_bias_decides_greedy_and_sampled_tokens_but_not_raw_logprobs():
+    logits = np.log(PROBS)[None].repeat(4, 0).astype(np.float32)
+    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={0: -100}), 0, 0, 0),
+            SamplingRow(SamplingParams(temperature=0, logit_bias={7: 100, 0: 3}), 0, 0, 0),
+            SamplingRow(SamplingParams(temperature=0), 0, 0, 0),
+            SamplingRow(SamplingParams(temperature=0, logit_bias={1: math.log(2) + 1e-3}), 0,
+                        0, 0)]
+    out = run(rows, logits, num_logprobs=2)
+    assert list(out.token_ids) == [1, 7, 0, 1]   # banned, forced, untouched, 0.2 * 2 > 0.4
+    reference = log_softmax(logits)              # raw: the model's, whatever the bias
+    np.testing.assert_allclose(out.logprobs, reference[0, [1, 7, 0, 1]], rtol=1e-6)
+    np.testing.assert_allclose(out.top_logprobs, reference[:, :2], rtol=1e-6)
+    processed = run(rows, logits, num_logprobs=2, logprobs_mode="processed_logprobs")
+    assert list(processed.token_ids) == [1, 7, 0, 1]
+    biased = logits.copy()
+    biased[0, 0] -= 100
+    biased[1, [7, 0]] += [100, 3]
+    biased[3, 1] += math.log(2) + 1e-3
+    np.testing.assert_allclose(processed.logprobs, log_softmax(biased)[range(4), [1, 7, 0, 1]],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(processed.top_ids[:2], [[1, 2], [7, 0]])
+
+
+def test_sampled_rows_never_draw_a_banned_token_and_follow_the_biased_softmax():
+    bias = {0: -100, 1: math.log(3)}             # 0 gone; 1 three times as likely
+    tokens = draws(SamplingParams(temperature=1.0, logit_bias=bias, seed=5))
+    assert not np.any(tokens == 0)
+    expected = PROBS * np.exp([0, math.log(3), 0, 0, 0, 0, 0, 0])
+    expected[0] = 0
+    expected /= expected.sum()
+    frequencies = np.bincount(tokens, minlength=len(PROBS)) / NUM_DRAWS
+    np.testing.assert_allclose(frequencies, expected, atol=4 * np.sqrt(0.25 / NUM_DRAWS))
+    filtered = draws(SamplingParams(temperature=0.7, top_k=2, logit_bias={0: -100}, seed=6))
+    assert set(np.unique(filtered)) == {1, 2}    # top-2 of the biased logits
+
+
+@pytest.mark.parametrize("target", [SamplingParams(temperature=0),
+                                    SamplingParams(temperature=0.9, top_p=0.8, seed=3)])
+def test_a_row_without_bias_samples_the_same_in_a_biased_batch(target):
+    """A biased row puts the whole batch on the W = MAX_LOGIT_BIAS variant; the other rows'
+    tokens and logprobs are bit for bit what they were without it."""
+    logits = np.random.default_rng(1).normal(size=(3, 64)).astype(np.float32) * 3
+    plain = [SamplingRow(target, 3, 0, 9), SamplingRow(SamplingParams(temperature=0), 0, 0, 0)]
+    biased = [plain[0], SamplingRow(SamplingParams(
+        temperature=0, logit_bias={int(np.argmax(logits[1])): -100}), 0, 0, 0)]
+    for mode in (None, "sort"):
+        a = run(plain, logits[:2], num_logprobs=3, mode=mode)
+        b = run(biased, logits[:2], num_logprobs=3, mode=mode)
+        assert a.token_ids[1] != b.token_ids[1]
+        for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(leaf_a[0], leaf_b[0])

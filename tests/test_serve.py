@@ -95,6 +95,16 @@ def offline_greedy(offline_llm):
 
 
 @pytest.fixture(scope="module")
+def offline_banned(offline_llm) -> tuple[dict, object]:
+    """({token: -100} for PROMPTS[0]'s greedy tokens, its greedy output with them banned)."""
+    plain = offline_llm.generate(PROMPTS[0], SamplingParams(**GREEDY), use_tqdm=False)
+    bias = {token: -100 for token in plain[0].outputs[0].token_ids}
+    banned = offline_llm.generate(PROMPTS[0], SamplingParams(**GREEDY, logit_bias=bias),
+                                  use_tqdm=False)
+    return bias, banned[0].outputs[0]
+
+
+@pytest.fixture(scope="module")
 def openai_client(url):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -157,6 +167,20 @@ def test_openai_client_chat_plain_and_streaming(openai_client):
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
 
 
+def test_openai_client_logit_bias_bans_and_forces_tokens(openai_client, offline_banned, url):
+    bias, banned = offline_banned
+    assert banned.token_ids and not set(banned.token_ids) & set(bias)
+    reply = openai_client.completions.create(
+        model=serve.DEFAULT_MODEL_NAME, prompt=PROMPTS[0], **GREEDY,
+        logit_bias={str(token): value for token, value in bias.items()})
+    assert reply.choices[0].text == banned.text
+    forced = openai_client.chat.completions.create(
+        model=serve.DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5, temperature=0, logit_bias={"65": 100})
+    expected = httpx.post(f"{url}/detokenize", json={"tokens": [65] * 5}).json()["prompt"]
+    assert forced.choices[0].message.content == expected and len(expected) == 5
+
+
 def test_64_concurrent_streams_with_random_disconnects(url):
     rng = random.Random(0)
     plans = [(rng.choice(PROMPTS), rng.randint(4, 12), rng.random() < 0.3 and rng.randint(1, 3))
@@ -199,7 +223,7 @@ def test_64_concurrent_streams_with_random_disconnects(url):
 
 # ---- the in-process app -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def app_client(offline_llm, offline_greedy):
+def app_client(offline_llm, offline_greedy, offline_banned):
     """A TestClient over an app driving the offline LLM's engine (after the greedy outputs were
     taken, so only the app's engine thread uses it from then on)."""
     engine = offline_llm.engine
@@ -233,6 +257,14 @@ BAD_INPUTS = [
     ("completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "a", "echo": True, "stream": True}, 400, "echo"),
     ("completions", {"prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "a", "logit_bias": [5]}, 400, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "logit_bias": {"5": "up"}}, 400, "logit_bias"),
     ("completions", {"prompt": "a" * 300}, 400, "prompt"),
     ("completions", {"prompt": "a", "max_tokens": 300}, 400, "max_tokens"),
     ("completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),

@@ -50,7 +50,7 @@ class LaunchedLoop:
     packed results (a `DecodeResult` laid out by `result_layout`)."""
     packed: jax.Array
     layout: tuple
-    batch: int
+    batch: tuple        # (rows, stop-id width, logit-bias width) buckets
     result: jax.Array
     result_layout: tuple
     static: dict
@@ -211,7 +211,8 @@ class Executor:
         logprob_bucket = MAX_LOGPROBS if num_logprobs else 0
         scored_bucket = MAX_LOGPROBS if num_scored_logprobs else 0
         key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
-               inputs.logits_indices.shape[0], is_decode, logprob_bucket)
+               inputs.logits_indices.shape[0], is_decode, logprob_bucket,
+               inputs.sampling.bias_ids.shape[1])
         if inputs.scored is not None:
             key += ("scored", inputs.scored.targets.shape[0], scored_bucket)
         packed, layout = pack(inputs)
@@ -272,7 +273,8 @@ class Executor:
                       logprobs_mode=self.logprobs_mode)
         packed, layout = pack(inputs)
         fresh = self._fresh_result_and_control(size, static)
-        return (self._put(packed), *fresh, layout, (size, width), static)
+        return (self._put(packed), *fresh, layout,
+                (size, width, inputs.sampling.bias_ids.shape[1]), static)
 
     def continue_decode(self, previous: "LaunchedLoop", keep, num_steps: int) -> "LaunchedLoop":
         """Dispatch the next loop straight from the previous one's device results (its last
@@ -322,7 +324,7 @@ class Executor:
 
     def _launch(self, packed, previous_result, control, layout, batch, static,
                 num_rows) -> "LaunchedLoop":
-        """batch: (rows, stop-id width) buckets of the loop's inputs."""
+        """batch: (rows, stop-id width, logit-bias width) buckets of the loop's inputs."""
         start = time.perf_counter()
         key, program, args, kwargs = self.loop_call(packed, previous_result, control, layout,
                                                     batch, static)

@@ -44,8 +44,8 @@ class InputProcessor:
         return token_ids
 
     def check_fits(self, token_ids: list[int], params: SamplingParams):
-        """Could this request ever run on this engine (length, n, KV blocks, logprobs, stop ids in
-        the vocabulary)?"""
+        """Could this request ever run on this engine (length, n, KV blocks, logprobs, stop ids and
+        biased ids in the vocabulary)?"""
         config = self.config
         if len(token_ids) >= config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
@@ -66,10 +66,16 @@ class InputProcessor:
             # scored positions): refused here rather than failing a step later.
             raise ValueError("prompt_logprobs (and score) compile their own step programs on "
                              "first use, which strict_compilation forbids")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids contains ids outside [0, {self.vocab_size}) (the "
-                             f"vocabulary): {bad[:5]}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains ids outside [0, {self.vocab_size}) (the "
+                                 f"vocabulary): {bad[:5]}")
+        if params.logit_bias and config.strict_compilation:
+            # A batch with a biased row runs a program variant warm-up does not compile.
+            raise ValueError("logit_bias compiles its own step and decode programs on first use, "
+                             "which strict_compilation forbids")
 
     def blocks_per_sequence(self, total: int) -> int:
         """Most blocks one sequence of `total` tokens holds at once. Where every layer slides a

@@ -5,8 +5,9 @@ Pure functions and small classes with no web framework in them: `app.py` calls t
 Requests are checked field by field; anything wrong raises `APIError` naming the parameter, which
 the server turns into a 4xx with OpenAI's `{"error": {"message", "type", "param", "code"}}` body.
 Parameters that would change the result but are not implemented (suffix, best_of > n,
-presence/frequency penalties, logit_bias; echo on chat and on streamed completions) are rejected
-rather than ignored. `prompt_logprobs` (vLLM's extra field) puts each prompt token's logprob on
+presence/frequency penalties; echo on chat and on streamed completions) are rejected rather than
+ignored. `logit_bias` maps token ids (JSON object keys, so decimal strings) to biases in
+[-100, 100] added to the logits before sampling. `prompt_logprobs` (vLLM's extra field) puts each prompt token's logprob on
 the choice; `echo` with `logprobs` on /v1/completions puts the prompt's tokens before the
 completion's, as OpenAI does (the first prompt token's logprob null).
 
@@ -27,10 +28,10 @@ from jpaged.request import RequestOutput
 from jpaged.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
-                    "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
+                    "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias")
 # Parameters we do not implement, with the value that means "off" (anything else is rejected).
 _UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0, 0.0),
-                "frequency_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
+                "frequency_penalty": (0, 0.0), "tools": ([],),
                 "response_format": ({"type": "text"},)}
 
 
@@ -211,7 +212,25 @@ def check_model(body: dict, model_name: str):
                        param="model", status=404, code="model_not_found")
 
 
-def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool,
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """`logit_bias` with its keys as token ids in the vocabulary (the biases SamplingParams
+    checks)."""
+    bias = body_field(body, "logit_bias", (dict,))
+    if not bias:
+        return None
+    checked = {}
+    for key, value in bias.items():
+        token_id = int(key) if key.isascii() and key.isdecimal() else -1
+        if not 0 <= token_id < vocab_size:
+            raise APIError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got "
+                           f"{json.dumps(key)[:40]}", param="logit_bias")
+        if token_id in checked:
+            raise APIError(f"'logit_bias' has token id {token_id} twice", param="logit_bias")
+        checked[token_id] = value
+    return checked
+
+
+def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, vocab_size: int,
                      prompt_logprobs=None) -> SamplingParams:
     """A stream is built from the engine's DELTA outputs (text past any possible stop-string
     prefix, tokens and logprobs new since the last output). A full reply asks for CUMULATIVE
@@ -226,6 +245,7 @@ def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool,
                   stop=body_field(body, "stop", (str, list)),
                   stop_token_ids=body_field(body, "stop_token_ids", (list,)),
                   ignore_eos=body_field(body, "ignore_eos", (bool,), False),
+                  logit_bias=_logit_bias(body, vocab_size),
                   max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE)
     try:
@@ -294,7 +314,7 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     computed = (prompt_logprobs if not (echo and logprobs is not None)
                 else max(logprobs, prompt_logprobs or 0))
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
-                              prompt_logprobs=computed)
+                              vocab_size=model.vocab_size, prompt_logprobs=computed)
     return ParsedRequest(False, prompts, params, stream, _stream_options(body, stream), logprobs,
                          prompt_logprobs, echo)
 
@@ -357,10 +377,10 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     prompt_logprobs = _prompt_logprobs(body)
     max_tokens = _check_length(prompts, max_tokens, model.max_model_len, "messages")
     stream = body_field(body, "stream", (bool,), False)
-    return ParsedRequest(True, prompts, _sampling_params(body, max_tokens=max_tokens,
-                                                         logprobs=logprobs, stream=stream,
-                                                         prompt_logprobs=prompt_logprobs),
-                         stream, _stream_options(body, stream), logprobs, prompt_logprobs)
+    params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
+                              vocab_size=model.vocab_size, prompt_logprobs=prompt_logprobs)
+    return ParsedRequest(True, prompts, params, stream, _stream_options(body, stream), logprobs,
+                         prompt_logprobs)
 
 
 def chat_messages(body: dict) -> list[dict]:
