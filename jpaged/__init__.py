@@ -5,7 +5,9 @@ from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
 from jpaged.request import CompletionOutput, Logprob, RequestOutput
 from jpaged.sampling import RequestOutputKind, SamplingParams
+from jpaged.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "Logprob",
-           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -34,6 +34,7 @@ class Sequence:
     num_trimmed: int = 0             # leading blocks a sliding window let go (sink in its table)
     num_sent: int = 0                # output tokens (and logprobs) already in a DELTA output
     unsent_text: str = ""            # streamed text not yet in a DELTA output
+    constraint: object = None        # its structured output's matcher (a Constraint), or None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -73,10 +74,18 @@ class Request:
     score_from: int = 1
     score_temperature: float = 1.0
     prompt_logprobs: list = dataclasses.field(default_factory=list)  # entry i: prompt token i
+    # The structured output's matcher before any output token (a Constraint), or None: every
+    # sequence starts from a copy of it.
+    constraint: object = None
 
     def __post_init__(self):
         if not self.sequences:
-            self.sequences = [Sequence(0, list(self.prompt_token_ids), len(self.prompt_token_ids))]
+            self.sequences = [Sequence(0, list(self.prompt_token_ids), len(self.prompt_token_ids),
+                                       constraint=self.new_constraint())]
+
+    def new_constraint(self):
+        """A matcher for a new sequence of this request (None: unconstrained)."""
+        return None if self.constraint is None else self.constraint.fork()
 
     @property
     def is_forked(self) -> bool:

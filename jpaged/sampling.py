@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from jpaged.options import LOGPROBS_MODES
+from jpaged.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy (argmax), as in vLLM
@@ -111,6 +112,19 @@ def _check_logit_bias(logit_bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(checked.items()))
 
 
+def _check_structured_outputs(value) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(
+            StructuredOutputsParams)})
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields {unknown}")
+        return StructuredOutputsParams(**value)
+    raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its "
+                     f"fields, got {type(value).__name__}")
+
+
 class RequestOutputKind(enum.IntEnum):
     """What a request's outputs carry as it runs (vLLM's names). CUMULATIVE: every output holds
     all tokens and text so far. DELTA: only what is new since the request's previous output.
@@ -156,6 +170,10 @@ class SamplingParams:
     `logit_bias` (OpenAI's semantics) maps token ids to a bias added to their logits before
     sampling, greedy rows included; it is stored as ((id, bias), ...) sorted by id. The logprobs
     reported under "raw_logprobs" are the model's, unbiased; "processed_logprobs" include it.
+
+    `structured_outputs` (a `StructuredOutputsParams`, or a dict of its fields) constrains the
+    output to a JSON schema, any JSON object, a regex, a choice or a grammar: only tokens that
+    keep it valid are sampled, and it ends with finish_reason "stop" once complete.
     """
     n: int = 1
     temperature: float = 1.0
@@ -171,6 +189,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+    structured_outputs: StructuredOutputsParams | Mapping | None = None
 
     def __post_init__(self):
         fields = {
@@ -189,6 +208,7 @@ class SamplingParams:
                 "prompt_logprobs", self.prompt_logprobs, minimum=0)),
             "output_kind": _check_output_kind(self.output_kind),
             "logit_bias": _check_logit_bias(self.logit_bias),
+            "structured_outputs": _check_structured_outputs(self.structured_outputs),
         }
         if not 0 <= fields["temperature"] <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, MAX_TEMPERATURE={MAX_TEMPERATURE:g}], "
@@ -244,6 +264,8 @@ class SamplingRow(NamedTuple):
     seed: int          # the request's seed (`request_seed`); any int, reduced modulo 2**32
     sample_index: int  # which of the request's n samples this sequence is, in [0, n)
     position: int      # absolute position of the token being sampled (tokens before it)
+    allowed: np.ndarray | None = None   # [A] int32 packed mask of the tokens it may sample
+                                        # (a structured output's); None: any token
 
 
 _PAD_ROW = dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, sample_index=0,
@@ -252,7 +274,8 @@ _PAD_ROW = dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, sample_
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["temperature", "top_k", "top_p", "min_p", "seeds",
-                                "sample_indices", "positions", "bias_ids", "bias_values"],
+                                "sample_indices", "positions", "bias_ids", "bias_values",
+                                "allowed"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SamplingTensors:
@@ -261,7 +284,9 @@ class SamplingTensors:
     Rows with temperature < GREEDY_TEMPERATURE are greedy and ignore the other settings but the
     logit bias. A row's bias entries past its own are (token 0, bias 0.0): adding 0.0 changes no
     logit. A batch with no biased row has W = 0 and adds nothing; any biased row makes it
-    MAX_LOGIT_BIAS, so there are two program variants, not one per bias count.
+    MAX_LOGIT_BIAS, so there are two program variants, not one per bias count. Likewise the
+    token masks: A = 0 when no row is constrained, else A = ceil(V / 32) words per row (bit
+    t % 32 of word t // 32: token t allowed), all ones for the unconstrained rows.
     `top_k` of -1 (or >= V) and `top_p` of 1 turn those filters off. In a multi-step loop, advance
     with `dataclasses.replace(t, positions=t.positions + 1)`.
     """
@@ -274,6 +299,7 @@ class SamplingTensors:
     positions: jax.Array       # [B] int32
     bias_ids: jax.Array        # [B, W] int32 token ids whose logits get a bias
     bias_values: jax.Array     # [B, W] float32 the biases
+    allowed: jax.Array         # [B, A] int32 packed masks of the tokens each row may sample
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], batch_size: int | None = None
@@ -304,6 +330,11 @@ class SamplingTensors:
             if row.params.logit_bias:
                 ids, values = zip(*row.params.logit_bias)
                 bias_ids[i, :len(ids)], bias_values[i, :len(ids)] = ids, values
+        masks = [row.allowed for row in rows if row.allowed is not None]
+        allowed = np.full((batch_size, len(masks[0]) if masks else 0), -1, np.int32)
+        for i, row in enumerate(rows):
+            if row.allowed is not None:
+                allowed[i] = row.allowed
         return cls(
             temperature=np.asarray(columns["temperature"], np.float32),
             top_k=np.asarray(columns["top_k"], np.int32),
@@ -312,7 +343,7 @@ class SamplingTensors:
             seeds=np.asarray(columns["seed"], np.uint32),
             sample_indices=np.asarray(columns["sample_index"], np.int32),
             positions=np.asarray(columns["position"], np.int32),
-            bias_ids=bias_ids, bias_values=bias_values,
+            bias_ids=bias_ids, bias_values=bias_values, allowed=allowed,
         )
 
 
@@ -359,7 +390,8 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     GPU each cond makes the dispatching thread wait for the device, so loops that must not block
     (the decode loop) pass a mode. A mode cheaper than the rows need is the caller's error.
 
-    Every row's logit bias is added first (greedy rows too): it decides the tokens.
+    Every row's logit bias is added first and its token mask applied (disallowed tokens at
+    -inf), greedy rows too: they decide the tokens.
 
     logprobs_mode (static, one of LOGPROBS_MODES): "raw_logprobs" reports log_softmax of the raw
     logits (no bias); "processed_logprobs" that of the distribution actually sampled from (bias
@@ -373,12 +405,15 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     if tensors.bias_ids.shape[0] != logits.shape[0]:
         raise ValueError(f"tensors must have one bias row per logits row ({logits.shape[0]}), "
                          f"got bias_ids shape {tensors.bias_ids.shape}")
+    if tensors.allowed.shape[1] not in (0, -(-logits.shape[1] // 32)):
+        raise ValueError(f"tensors.allowed must have ceil(V / 32) = {-(-logits.shape[1] // 32)} "
+                         f"words per row (or none), got shape {tensors.allowed.shape}")
     if not 0 <= num_logprobs <= logits.shape[1]:
         raise ValueError(f"num_logprobs must be in [0, V={logits.shape[1]}], got {num_logprobs}")
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     raw = logits.astype(jnp.float32)
-    logits = with_logit_bias(raw, tensors)
+    logits = with_token_mask(with_logit_bias(raw, tensors), tensors)
     is_greedy = tensors.temperature < GREEDY_TEMPERATURE                     # [B]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)               # [B]
     if logprobs_mode == "processed_logprobs":
@@ -396,6 +431,15 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, num_logprobs: int = 0
     else:
         raise ValueError(f"mode must be None or one of {SAMPLER_MODES}, got {mode!r}")
     return _with_logprobs(raw, token_ids, num_logprobs)
+
+
+def with_token_mask(logits: jax.Array, tensors: SamplingTensors) -> jax.Array:
+    """[B, V] logits with the tokens each row's mask forbids at -inf (no mask when A = 0)."""
+    if tensors.allowed.shape[1] == 0:
+        return logits
+    token = jnp.arange(logits.shape[1], dtype=jnp.int32)
+    bits = (tensors.allowed[:, token // 32] >> (token % 32)) & 1             # [B, V]
+    return jnp.where(bits != 0, logits, -jnp.inf)
 
 
 def with_logit_bias(logits: jax.Array, tensors: SamplingTensors) -> jax.Array:

@@ -76,6 +76,16 @@ SAMPLING = {
         st.sampled_from(["0", "5", "255", "-1", "x", "05", "99999", "1e3"]),
         st.one_of(st.floats(-150, 150), JUNK), max_size=3)),
     "best_of": st.one_of(st.integers(-1, 3), JUNK),
+    "response_format": st.one_of(JSON_VALUE, st.sampled_from([
+        {"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 0,
+                                                           "maximum": 9}}},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}])),
+    "structured_outputs": st.one_of(JSON_VALUE, st.fixed_dictionaries({}, optional={
+        "choice": st.one_of(st.lists(TEXT, max_size=3), JUNK), "regex": st.one_of(TEXT, JUNK),
+        "grammar": st.one_of(st.just('root ::= "a" "b"?'), TEXT, JUNK)})),
+    "guided_choice": st.one_of(st.lists(TEXT, max_size=3), JUNK),
+    "guided_regex": st.one_of(st.sampled_from(["[0-9]{1,3}", "(", "a|b"]), TEXT, JUNK),
 }
 COMPLETION_ONLY = {"logprobs": st.one_of(st.integers(-2, 30), JUNK),
                    "prompt": st.one_of(TEXT, st.lists(TEXT, max_size=3),

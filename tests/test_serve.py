@@ -181,6 +181,56 @@ def test_openai_client_logit_bias_bans_and_forces_tokens(openai_client, offline_
     assert forced.choices[0].message.content == expected and len(expected) == 5
 
 
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_openai_client_structured_outputs_parse_and_validate(openai_client, temperature):
+    jsonschema = pytest.importorskip("jsonschema")
+    common = dict(model=serve.DEFAULT_MODEL_NAME, max_tokens=100, temperature=temperature,
+                  seed=11)
+    chat = openai_client.chat.completions.create(
+        messages=[{"role": "user", "content": "Who?"}], **common, response_format={
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                   "strict": True}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    assert chat.choices[0].finish_reason == "stop"
+    anything = openai_client.completions.create(prompt="x = ", **common, extra_body={
+        "response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(anything.choices[0].text), dict)
+    choice = openai_client.completions.create(prompt="a", **common, extra_body={
+        "structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert choice.choices[0].text in ("alpha", "beta")
+    regex = openai_client.completions.create(prompt="b", **common,
+                                             extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    grammar = openai_client.completions.create(prompt="c", **common, extra_body={
+        "guided_grammar": 'root ::= "<" ("a" | "b") [ab]? [ab]? ">"'})
+    assert re.fullmatch(r"<[ab]{1,3}>", grammar.choices[0].text)
+    assert {c.choices[0].finish_reason for c in (anything, choice, regex, grammar)} == {"stop"}
+
+
+def test_a_bad_schema_is_a_400_and_a_concurrent_request_is_unharmed(openai_client,
+                                                                   offline_greedy):
+    openai = pytest.importorskip("openai")
+    replies = []
+    thread = threading.Thread(target=lambda: replies.append(openai_client.completions.create(
+        model=serve.DEFAULT_MODEL_NAME, prompt=PROMPTS[0], **GREEDY)))
+    thread.start()
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {
+                     "name": "x", "schema": {"type": "object", "properties": 5}}}},
+                 {"guided_grammar": "start: missing"}):
+        with pytest.raises(openai.BadRequestError) as error:
+            openai_client.completions.create(model=serve.DEFAULT_MODEL_NAME, prompt="x",
+                                             max_tokens=4, extra_body=body)
+        assert error.value.body["param"] in ("response_format", "guided_grammar")
+    thread.join(GUARD_SECONDS)
+    assert replies and replies[0].choices[0].text == offline_greedy[0]
+
+
 def test_64_concurrent_streams_with_random_disconnects(url):
     rng = random.Random(0)
     plans = [(rng.choice(PROMPTS), rng.randint(4, 12), rng.random() < 0.3 and rng.randint(1, 3))
@@ -265,6 +315,21 @@ BAD_INPUTS = [
     ("completions", {"prompt": "a", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "logit_bias": {"5": "up"}}, 400, "logit_bias"),
+    ("completions", {"prompt": "a", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("completions", {"prompt": "a", "response_format": {"type": "json_schema"}}, 400,
+     "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     400, "response_format"),
+    ("completions", {"prompt": "a", "structured_outputs": {"regex": "(a"}}, 400,
+     "structured_outputs"),
+    ("completions", {"prompt": "a", "structured_outputs": {"jsonschema": {}}}, 400,
+     "structured_outputs"),
+    ("completions", {"prompt": "a", "structured_outputs": "json"}, 400, "structured_outputs"),
+    ("completions", {"prompt": "a", "guided_choice": []}, 400, "guided_choice"),
+    ("completions", {"prompt": "a", "guided_grammar": "root ::= ("}, 400, "guided_grammar"),
+    ("completions", {"prompt": "a", "guided_regex": "a", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
     ("completions", {"prompt": "a" * 300}, 400, "prompt"),
     ("completions", {"prompt": "a", "max_tokens": 300}, 400, "max_tokens"),
     ("completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),

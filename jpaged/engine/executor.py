@@ -36,12 +36,24 @@ from jpaged.engine.programs import Programs
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
 from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow
+from jpaged.structured_outputs import allowed_masks
 
 
 class StepFailed(Exception):
     """A step raised after its block operations were applied and before it changed any device
     state (its inputs could not be built or its program not dispatched): the device allocator
     still stands where the ledger planned the step's appends from. The cause is chained."""
+
+
+def _token_masks(rows) -> dict:
+    """{row index: packed mask} of the rows that sample under a structured output's constraint,
+    computed together."""
+    constrained = [index for index, row in enumerate(rows)
+                   if row.sample_indices and row.seq.constraint is not None]
+    if not constrained:
+        return {}
+    masks = allowed_masks([rows[index].seq.constraint for index in constrained])
+    return dict(zip(constrained, masks))
 
 
 @dataclasses.dataclass
@@ -212,7 +224,7 @@ class Executor:
         scored_bucket = MAX_LOGPROBS if num_scored_logprobs else 0
         key = ("step", inputs.token_ids.shape[0], inputs.seq_ids.shape[0],
                inputs.logits_indices.shape[0], is_decode, logprob_bucket,
-               inputs.sampling.bias_ids.shape[1])
+               inputs.sampling.bias_ids.shape[1], inputs.sampling.allowed.shape[1])
         if inputs.scored is not None:
             key += ("scored", inputs.scored.targets.shape[0], scored_bucket)
         packed, layout = pack(inputs)
@@ -231,11 +243,14 @@ class Executor:
         self.apply(block_ops)
         inputs = [(row.seq.slot, row.token_ids) for row in rows]
         sampling_rows, targets = [], []
+        masks = _token_masks(rows)
         for index, row in enumerate(rows):
             position = row.start + row.num_tokens
+            # Siblings born at the prompt's end share its mask: none has taken a token yet.
             for sample_index in row.sample_indices:
                 sampling_rows.append((index, SamplingRow(row.request.params, row.request.seed,
-                                                         sample_index, position)))
+                                                         sample_index, position,
+                                                         masks.get(index))))
                 targets.append((row, sample_index))
         scored, scored_rows = batch_arrays.scored_positions(rows)
         num_logprobs = max(row.request.params.logprobs or 0 for row in rows)

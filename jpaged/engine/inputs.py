@@ -9,6 +9,7 @@ import numpy as np
 from jpaged.request import Request
 from jpaged.sampling import (MAX_LOGPROBS, MAX_TEMPERATURE, RequestOutputKind, SamplingParams,
                              request_seed)
+from jpaged.structured_outputs import ConstraintCompiler
 
 
 class InputProcessor:
@@ -22,6 +23,8 @@ class InputProcessor:
         self.window = model_config.window_of_every_layer   # blocks behind it are let go
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = itertools.count()
+        self.constraints = ConstraintCompiler(tokenizer, model_config.vocab_size,
+                                              self.eos_token_ids)
 
     def prompt_tokens(self, prompt=None, prompt_token_ids=None) -> list[int]:
         """The prompt's token ids: exactly one of a str (tokenized here) and a list of ids."""
@@ -72,10 +75,13 @@ class InputProcessor:
             if bad:
                 raise ValueError(f"{name} contains ids outside [0, {self.vocab_size}) (the "
                                  f"vocabulary): {bad[:5]}")
-        if params.logit_bias and config.strict_compilation:
-            # A batch with a biased row runs a program variant warm-up does not compile.
-            raise ValueError("logit_bias compiles its own step and decode programs on first use, "
-                             "which strict_compilation forbids")
+        for name in ("logit_bias", "structured_outputs"):
+            if getattr(params, name) and config.strict_compilation:
+                # A batch with such a row runs a program variant warm-up does not compile.
+                raise ValueError(f"{name} compiles its own step programs on first use, which "
+                                 "strict_compilation forbids")
+        if params.structured_outputs is not None:
+            self.constraints.constraint(params.structured_outputs)   # compiled (or cached) now
 
     def blocks_per_sequence(self, total: int) -> int:
         """Most blocks one sequence of `total` tokens holds at once. Where every layer slides a
@@ -116,11 +122,14 @@ class InputProcessor:
         score_from, score_temperature: which prompt logprobs it owes, and under what
         temperature (see `Request`)."""
         stop_ids = self.stop_ids(params)
+        constraint = (None if params.structured_outputs is None
+                      else self.constraints.constraint(params.structured_outputs))
         return Request(request_id=request_id, prompt=prompt, prompt_token_ids=token_ids,
                        params=params, seed=request_seed(params, self._rng),
                        arrival_index=next(self._arrivals), priority=priority,
                        stop_ids=stop_ids, stop_id_set=frozenset(stop_ids),
-                       score_from=score_from, score_temperature=score_temperature)
+                       score_from=score_from, score_temperature=score_temperature,
+                       constraint=constraint)
 
     def score_item(self, request_id: str, prompt_token_ids, completion_token_ids,
                    temperature: float) -> dict:

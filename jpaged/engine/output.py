@@ -86,7 +86,7 @@ class OutputProcessor:
 
     def _new_child(self, request: Request, parent: Sequence, sample_index: int) -> Sequence:
         child = Sequence(sample_index, list(parent.token_ids[:parent.num_computed]),
-                         parent.num_prompt_tokens)
+                         parent.num_prompt_tokens, constraint=request.new_constraint())
         child.detokenizer = self._detokenizer(request)
         request.sequences.append(child)
         request.sequences.sort(key=lambda s: s.index)
@@ -94,7 +94,8 @@ class OutputProcessor:
 
     def _append_samples(self, request: Request, seq: Sequence, samples: Samples):
         """Append a step's or a loop's tokens to seq, up to the first that ends it: a stop
-        string (the detokenizer's match), a stop id or EOS, max_tokens or max_model_len."""
+        string (the detokenizer's match), a stop id or EOS, a complete structured output,
+        max_tokens or max_model_len."""
         params = request.params
         tokens = samples.token_ids
         room = max(1, min(params.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens),
@@ -102,6 +103,9 @@ class OutputProcessor:
         stop_ids = request.stop_id_set
         end = next((i + 1 for i, token in enumerate(tokens[:room]) if token in stop_ids),
                    min(room, len(tokens)))
+        is_complete = False
+        if seq.constraint is not None:
+            end, is_complete = seq.constraint.consume(tokens[:end])
         consumed = seq.detokenizer.num_tokens
         delta, hit_stop_string = seq.detokenizer.append(tokens[:end])
         is_delta = params.output_kind == RequestOutputKind.DELTA
@@ -119,7 +123,7 @@ class OutputProcessor:
                 entry[token] = samples.logprobs[i]
                 seq.logprobs.append(entry)
         self.num_generated_tokens += end
-        if hit_stop_string or (taken and taken[-1] in stop_ids):
+        if hit_stop_string or is_complete or (taken and taken[-1] in stop_ids):
             seq.finish_reason = "stop"
         elif end == room:
             seq.finish_reason = "length"

@@ -230,8 +230,11 @@ class Scheduler:
                 break
             rows += new_rows
             budget -= sum(row.num_tokens for row in new_rows)
+        # A structured output's next mask needs its last token on the host: its batch steps
+        # one token at a time.
         is_loop = bool(rows) and not self.has_queued and all(
-            row.num_tokens == 1 and row.sample_indices == (row.seq.index,) for row in rows)
+            row.num_tokens == 1 and row.sample_indices == (row.seq.index,)
+            and row.seq.constraint is None for row in rows)
         if is_loop:
             # Room for every iteration, made before iteration 0's append is planned: the
             # device applies the evictions first and then appends inside the loop, so the

@@ -40,7 +40,8 @@ def model_info(engine, model_dir, name: str) -> api.ModelInfo:
                          chat_template=chat_template,
                          max_token_chars=api.max_token_chars(engine.tokenizer),
                          tokenizer_info=tokenize_api.tokenizer_info(model_dir,
-                                                                    chat_template.source))
+                                                                    chat_template.source),
+                         constraints=engine.inputs.constraints)
 
 
 

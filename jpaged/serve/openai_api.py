@@ -25,34 +25,15 @@ import uuid
 from pathlib import Path
 
 from jpaged.request import RequestOutput
+from jpaged.serve import structured_api
+from jpaged.serve.errors import APIError
 from jpaged.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
                     "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias")
 # Parameters we do not implement, with the value that means "off" (anything else is rejected).
 _UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0, 0.0),
-                "frequency_penalty": (0, 0.0), "tools": ([],),
-                "response_format": ({"type": "text"},)}
-
-
-class APIError(Exception):
-    """An error reply: HTTP status plus OpenAI's error fields."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = (message, param, status,
-                                                                       type, code)
-
-    def body(self) -> dict:
-        return {"error": {"message": _printable(self.message), "type": self.type,
-                          "param": None if self.param is None else _printable(self.param),
-                          "code": self.code}}
-
-
-def _printable(text: str) -> str:
-    """Text safe to send as UTF-8: a lone surrogate quoted from the request becomes \\ud800."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+                "frequency_penalty": (0, 0.0), "tools": ([],)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +46,7 @@ class ModelInfo:
     chat_template: "ChatTemplate"
     max_token_chars: int | None = None   # see `max_token_chars`; None: no early length check
     tokenizer_info: dict = dataclasses.field(default_factory=dict)   # GET /tokenizer_info
+    constraints: object = None  # the engine's ConstraintCompiler (structured outputs)
 
 
 def max_token_chars(tokenizer) -> int | None:
@@ -230,7 +212,7 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return checked
 
 
-def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, vocab_size: int,
+def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, model: ModelInfo,
                      prompt_logprobs=None) -> SamplingParams:
     """A stream is built from the engine's DELTA outputs (text past any possible stop-string
     prefix, tokens and logprobs new since the last output). A full reply asks for CUMULATIVE
@@ -245,7 +227,8 @@ def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, vocab_si
                   stop=body_field(body, "stop", (str, list)),
                   stop_token_ids=body_field(body, "stop_token_ids", (list,)),
                   ignore_eos=body_field(body, "ignore_eos", (bool,), False),
-                  logit_bias=_logit_bias(body, vocab_size),
+                  logit_bias=_logit_bias(body, model.vocab_size),
+                  structured_outputs=structured_api.structured_outputs(body, model.constraints),
                   max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE)
     try:
@@ -314,7 +297,7 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     computed = (prompt_logprobs if not (echo and logprobs is not None)
                 else max(logprobs, prompt_logprobs or 0))
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
-                              vocab_size=model.vocab_size, prompt_logprobs=computed)
+                              model=model, prompt_logprobs=computed)
     return ParsedRequest(False, prompts, params, stream, _stream_options(body, stream), logprobs,
                          prompt_logprobs, echo)
 
@@ -378,7 +361,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     max_tokens = _check_length(prompts, max_tokens, model.max_model_len, "messages")
     stream = body_field(body, "stream", (bool,), False)
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
-                              vocab_size=model.vocab_size, prompt_logprobs=prompt_logprobs)
+                              model=model, prompt_logprobs=prompt_logprobs)
     return ParsedRequest(True, prompts, params, stream, _stream_options(body, stream), logprobs,
                          prompt_logprobs)
 

@@ -1,0 +1,184 @@
+"""Structured outputs: constraint parameters, their compilation to token masks (the built-in
+model's byte tokenizer: token t is byte t), the mask in the sampler, and whole requests through
+the engine, whose outputs must parse, validate and end when the constraint is complete."""
+
+import json
+import re
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+import tokenizers
+
+from jpaged import LLM, SamplingParams
+from jpaged.engine.builder import default_model_dir
+from jpaged.sampling import SamplingRow, SamplingTensors, sample
+from jpaged.structured_outputs import (ConstraintCompiler, StructuredOutputsParams as Structured)
+
+VOCAB = 257   # the built-in model: 256 bytes and <|endoftext|> (256, EOS)
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green"]},
+                                  "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+def allowed_ids(words: np.ndarray) -> list[int]:
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).tolist()
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    tokenizer = tokenizers.Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    return ConstraintCompiler(tokenizer, VOCAB, [256])
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"choice": []}, "choice"), ({"choice": ["a", ""]}, "choice"), ({"choice": "ab"}, "choice"),
+    ({"regex": ""}, "regex"), ({"grammar": 3}, "grammar"), ({"json": "{"}, "not valid JSON"),
+    ({"json": "[1]"}, "JSON schema"), ({"json_object": "yes"}, "json_object")])
+def test_malformed_parameters_raise_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Structured(**fields)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs=fields)
+
+
+def test_parameters_are_normalised_and_hashable():
+    a = SamplingParams(structured_outputs={"json": SCHEMA})
+    b = SamplingParams(structured_outputs=Structured(json=json.dumps(SCHEMA, indent=2)))
+    assert a == b and hash(a) == hash(b)
+    assert json.loads(a.structured_outputs.json) == SCHEMA
+    assert list(json.loads(a.structured_outputs.json)["properties"]) == ["name", "age", "tags"]
+    assert Structured(choice=["x", "y"]).choice == ("x", "y")
+    with pytest.raises(ValueError, match="unknown fields"):
+        SamplingParams(structured_outputs={"jsonschema": SCHEMA})
+
+
+# ---------------------------------------------------------------------------- compilation
+
+
+def test_choice_mask_allows_exactly_the_next_bytes(compiler):
+    constraint = compiler.constraint(Structured(choice=["yes", "no", "maybe"]))
+    assert allowed_ids(constraint.allowed()) == sorted(map(ord, "ynm"))
+    assert constraint.consume([ord("y")]) == (1, False)
+    assert allowed_ids(constraint.allowed()) == [ord("e")]
+    assert constraint.consume([ord("e"), ord("s"), ord("!")]) == (2, True)   # complete at 's'
+    with pytest.raises(ValueError, match="rejected token"):
+        compiler.constraint(Structured(choice=["yes"])).consume([ord("n")])
+
+
+@pytest.mark.parametrize("fields,kind", [
+    ({"json": {"type": "nonsense"}}, "json"), ({"regex": "(a"}, "regex"),
+    ({"grammar": "start: undefined_rule"}, "grammar"), ({"grammar": "root ::= ("}, "grammar")])
+def test_malformed_schema_regex_or_grammar_is_a_value_error_naming_it(compiler, fields, kind):
+    with pytest.raises(ValueError, match=f"structured_outputs.{kind}"):
+        compiler.constraint(Structured(**fields))
+
+
+def test_each_constraint_compiles_once_and_requests_get_independent_copies(compiler):
+    params = Structured(regex=r"[0-9]{2}")
+    before = compiler.num_compiled
+    first, second = compiler.constraint(params), compiler.constraint(params)
+    assert compiler.num_compiled == before + 1
+    first.consume([ord("4")])
+    assert len(allowed_ids(second.allowed())) == 10   # untouched by the first's token
+    assert first.fork().consume([ord("2")]) == (1, True)
+
+
+# ---------------------------------------------------------------------------- the sampler
+
+
+def test_masked_rows_sample_only_allowed_tokens_and_others_are_unchanged(compiler):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, VOCAB)).astype(np.float32) * 4
+    mask = compiler.constraint(Structured(choice=["ab", "cd"])).allowed()
+    rows = [SamplingRow(SamplingParams(temperature=0), 0, 0, 0, mask),
+            SamplingRow(SamplingParams(temperature=1.0, seed=4), 4, 0, 7, mask),
+            SamplingRow(SamplingParams(temperature=1.0, seed=5), 5, 0, 7)]
+    run = jax.jit(sample, static_argnames="num_logprobs")
+    out = run(logits, SamplingTensors.from_rows(rows), num_logprobs=2)
+    allowed = [ord("a"), ord("c")]
+    assert int(out.token_ids[0]) == allowed[int(np.argmax(logits[0, allowed]))]
+    for position in range(40):   # many draws of the sampled row
+        drawn = run(logits[1:2], SamplingTensors.from_rows(
+            [rows[1]._replace(position=position)]))
+        assert int(drawn.token_ids[0]) in allowed
+    alone = run(logits[2:], SamplingTensors.from_rows(rows[2:]), num_logprobs=2)
+    for leaf_batch, leaf_alone in zip(jax.tree.leaves(out), jax.tree.leaves(alone)):
+        np.testing.assert_array_equal(np.asarray(leaf_batch)[2], np.asarray(leaf_alone)[0])
+    log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(out.logprobs[0], log_softmax[0, out.token_ids[0]], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
+               max_model_len=256, num_scheduler_steps=4)
+
+
+def _generate(llm, prompts, params):
+    return [out.outputs for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.gpu_suite
+def test_constrained_outputs_parse_validate_and_stop(llm):
+    schema = Structured(json=SCHEMA)
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=schema),
+              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=120,
+                             structured_outputs=schema),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=80,
+                             structured_outputs=Structured(json_object=True)),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=40, structured_outputs=Structured(
+                  regex=r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)")),
+              SamplingParams(temperature=0, max_tokens=20,
+                             structured_outputs=Structured(choice=["left", "right"])),
+              SamplingParams(temperature=1.0, seed=6, max_tokens=30,
+                             structured_outputs=Structured(
+                                 grammar='root ::= "(" [0-9] [0-9]? [0-9]? ")"')),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=Structured(
+                  grammar='start: "x=" NUM\nNUM: /[1-9][0-9]?/'))]
+    outputs = _generate(llm, ["def f(", "import os\n", "x = ", "email: ", "go ", "(", "y"],
+                        params)
+    for completion in outputs[0] + outputs[1]:
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+    assert outputs[1][0].text != outputs[1][1].text   # two samples, two draws
+    assert isinstance(json.loads(outputs[2][0].text), dict)
+    assert re.fullmatch(r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)", outputs[3][0].text)
+    assert outputs[4][0].text in ("left", "right")
+    assert re.fullmatch(r"\([0-9]{1,3}\)", outputs[5][0].text)
+    assert re.fullmatch(r"x=[1-9][0-9]?", outputs[6][0].text)
+    assert all(c.finish_reason == "stop" for out in outputs for c in out)
+
+
+@pytest.mark.gpu_suite
+def test_unconstrained_requests_get_the_same_tokens_beside_constrained_ones(llm):
+    plain = SamplingParams(temperature=0.9, seed=8, max_tokens=40, ignore_eos=True)
+    alone = _generate(llm, ["class A:"], plain)[0][0]
+    mixed = _generate(llm, ["class A:", "z"], [plain, SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=Structured(json=SCHEMA))])
+    assert mixed[0][0].token_ids == alone.token_ids
+    assert mixed[0][0].finish_reason == "length"
+
+
+def test_max_tokens_before_the_end_is_length(llm):
+    out = _generate(llm, ["a"], SamplingParams(temperature=0, max_tokens=3,
+                                               structured_outputs=Structured(json=SCHEMA)))[0][0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert out.text.startswith('{"')
+
+
+def test_a_bad_constraint_is_refused_before_anything_runs(llm):
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(
+            max_tokens=2, structured_outputs=Structured(regex="[z-a]"))], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
