@@ -171,7 +171,13 @@ def test_tokenizer_info_is_the_tokenizer_config(hf_model):
 
 
 def test_the_built_in_models_tokenizer_info(client):
-    assert _ok(client.get("/tokenizer_info")) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+    """No tokenizer_config.json: the EOS token's text comes from the model's EOS id, and it
+    tokenizes back to that id alone (how lm-eval's remote tokenizer finds the EOS id)."""
+    info = _ok(client.get("/tokenizer_info"))
+    assert info == {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    reply = _ok(client.post("/tokenize", json={"prompt": info["eos_token"],
+                                                "add_special_tokens": False}))
+    assert reply["tokens"] == [256]
 
 
 def test_a_model_without_a_tokenizer_says_so(hf_model):

@@ -39,8 +39,9 @@ def model_info(engine, model_dir, name: str) -> api.ModelInfo:
                          max_model_len=engine.config.max_model_len,
                          chat_template=chat_template,
                          max_token_chars=api.max_token_chars(engine.tokenizer),
-                         tokenizer_info=tokenize_api.tokenizer_info(model_dir,
-                                                                    chat_template.source),
+                         tokenizer_info=tokenize_api.tokenizer_info(
+                             model_dir, chat_template.source, engine.tokenizer,
+                             engine.model_config.eos_token_ids),
                          constraints=engine.inputs.constraints)
 
 

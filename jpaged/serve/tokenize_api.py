@@ -78,13 +78,20 @@ def _tokenizer(model: ModelInfo, param: str):
     return model.tokenizer
 
 
-def tokenizer_info(model_dir, chat_template_source: str | None) -> dict:
+def tokenizer_info(model_dir, chat_template_source: str | None, tokenizer=None,
+                   eos_token_ids=()) -> dict:
     """GET /tokenizer_info's reply: the fields of the model's tokenizer_config.json (none if it
     has no such file), "tokenizer_class" (a tokenizer.json alone is what transformers loads as
-    PreTrainedTokenizerFast) and "chat_template" where the model has one."""
+    PreTrainedTokenizerFast), "eos_token" where the file names none (the text of the model's
+    first EOS id: clients such as lm-eval's remote tokenizer need it) and "chat_template" where
+    the model has one."""
     path = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
     info = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    if "eos_token" not in info and tokenizer is not None and eos_token_ids:
+        eos = tokenizer.id_to_token(eos_token_ids[0])
+        if eos is not None:
+            info["eos_token"] = eos
     if chat_template_source is not None:
         info["chat_template"] = chat_template_source
     return info
