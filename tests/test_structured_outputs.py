@@ -182,3 +182,21 @@ def test_a_bad_constraint_is_refused_before_anything_runs(llm):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(
             max_tokens=2, structured_outputs=Structured(regex="[z-a]"))], use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_constrained_requests_give_the_same_valid_outputs(llm, mode):
+    """A pool too small for the batch preempts constrained requests mid-output; each resumes
+    with its matcher where it was and writes what it writes unpreempted."""
+    prompts = ["def f(", "import os\n", "x = ", "class A:", "y", "z = ["]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                             structured_outputs=Structured(json=SCHEMA)) for seed in range(6)]
+    roomy = _generate(llm, prompts, params)
+    tight = LLM(None, block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
+                max_model_len=256, num_scheduler_steps=4, num_kv_blocks=12,
+                preemption_mode=mode, swap_space=0.01)
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert sum(out.num_preemptions for out in outputs) > 0
+    for out, expected in zip(outputs, roomy):
+        assert out.outputs[0].token_ids == expected[0].token_ids
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
