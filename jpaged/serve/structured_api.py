@@ -26,6 +26,8 @@ def structured_outputs(body: dict, constraints) -> StructuredOutputsParams | Non
     if not found:
         return None
     field, fields = found[0]
+    if constraints is None:
+        raise APIError("this server cannot compile output constraints", param=field)
     try:
         params = StructuredOutputsParams(**fields)
         constraints.constraint(params)
