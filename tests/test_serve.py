@@ -213,6 +213,19 @@ def test_openai_client_structured_outputs_parse_and_validate(openai_client, temp
     assert {c.choices[0].finish_reason for c in (anything, choice, regex, grammar)} == {"stop"}
 
 
+def test_a_constrained_stream_equals_the_full_reply(app_client):
+    body = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 100,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "person", "schema": PERSON}}}
+    full = app_client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    with app_client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == full["message"]["content"] and json.loads(text)["age"] <= 150
+    assert events[-1]["choices"][0]["finish_reason"] == full["finish_reason"] == "stop"
+
+
 def test_a_bad_schema_is_a_400_and_a_concurrent_request_is_unharmed(openai_client,
                                                                    offline_greedy):
     openai = pytest.importorskip("openai")

@@ -200,3 +200,18 @@ def test_preempted_constrained_requests_give_the_same_valid_outputs(llm, mode):
     for out, expected in zip(outputs, roomy):
         assert out.outputs[0].token_ids == expected[0].token_ids
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+def test_an_aborted_constrained_request_frees_everything_and_the_next_one_is_valid(llm):
+    engine = llm.engine
+    free_before = engine.num_free_blocks
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=120,
+                            structured_outputs=Structured(json=SCHEMA))
+    engine.add_request("aborted", "def g(", params)
+    for _ in range(5):
+        engine.step()
+    assert engine.abort("aborted") and not engine.has_unfinished()
+    engine.apply_block_ops()
+    assert engine.num_free_blocks == free_before
+    out = _generate(llm, ["def g("], params)[0][0]
+    jsonschema.validate(json.loads(out.text), SCHEMA)
