@@ -1,7 +1,8 @@
 """Sampling parameters (validated on the host) and the batched, batch-invariant on-device sampler.
 
 Axes: B batch rows (one per sequence), V vocabulary, L number of top logprobs (static), W logit
-bias entries per row (0 when no row of the batch has a bias, else MAX_LOGIT_BIAS).
+bias entries per row (0 when no row of the batch has a bias, else MAX_LOGIT_BIAS), A words of a
+packed token mask per row (0 when no row is constrained, else ceil(V / 32)).
 
 Randomness: row b draws its Gumbel noise from
     fold_in(fold_in(PRNGKey(seed[b]), sample_index[b]), position[b])
