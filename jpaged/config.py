@@ -15,10 +15,12 @@ _MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
+    "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM",) + GEMMA3_ARCHITECTURES
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -35,6 +37,10 @@ _DEFAULTS = {
     "Qwen2ForCausalLM": {"sliding_window": 4096, "max_window_layers": 28},
     "Qwen3ForCausalLM": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "rope_theta": 1e6,
+                           "num_local_experts": 8, "num_experts_per_tok": 2},
+    "Qwen3MoeForCausalLM": {"sliding_window": 4096, "num_experts": 128,
+                            "num_experts_per_tok": 8, "moe_intermediate_size": 768},
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192,
                           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072,
@@ -62,7 +68,7 @@ _KNOWN_UNUSED = {
     "sep_token_id", "decoder_start_token_id", "tf_legacy_loss", "pruned_heads", "torchscript",
     "finetuning_task", "num_labels", "use_bfloat16", "qkv_bias",
     "embd_pdrop", "resid_pdrop", "auto_map", "cache_implementation", "_sliding_window_pattern",
-    "sliding_window_size",
+    "sliding_window_size", "router_aux_loss_coef", "output_router_logits", "router_jitter_noise",
 }
 _READ = {
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -73,6 +79,8 @@ _READ = {
     "layer_types", "original_max_position_embeddings", "hidden_activation",
     "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 }
 
 
@@ -157,6 +165,34 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+    """A mixture-of-experts MLP (Mixtral, Qwen3-MoE): each token's `num_experts_per_tok` experts
+    of `num_local_experts`, picked by a softmax router, each a gated MLP of
+    `moe_intermediate_size`; their outputs summed with the routing weights.
+
+    norm_topk_prob: the chosen experts' probabilities renormalised to sum to one (Mixtral
+    always; Qwen3-MoE as its config says). float32_weights: the routing weights scale the expert
+    outputs in float32 (Mixtral) rather than cast to the model dtype first (Qwen3-MoE), as each
+    transformers architecture does. sparse_layers[i]: layer i routes (else it has a dense MLP of
+    the model's intermediate_size: Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
+    """
+    num_local_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    float32_weights: bool
+    sparse_layers: tuple
+
+    def __post_init__(self):
+        for name in ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
+                             f"num_local_experts ({self.num_local_experts})")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder of the Llama family (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3), in Hugging
     Face's field names where they exist.
@@ -200,6 +236,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    experts: ExpertsConfig | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -232,6 +269,9 @@ class ModelConfig:
                 raise ValueError("rope_local_base_freq: the sliding layers' rope must rotate "
                                  "as many dims as the others' (one packed head layout)")
         normalize_dtype(self.torch_dtype)
+        if self.experts is not None and len(self.experts.sparse_layers) != self.num_hidden_layers:
+            raise ValueError(f"experts: {len(self.experts.sparse_layers)} layer flags for "
+                             f"{self.num_hidden_layers} layers")
 
     def _normalize_layer_types(self):
         layer_types = self.layer_types
@@ -270,6 +310,10 @@ class ModelConfig:
     def has_fused_checkpoint(self) -> bool:
         """The checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`."""
         return self.architecture == "Phi3ForCausalLM"
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (`experts`)."""
+        return self.experts is not None and self.experts.sparse_layers[layer]
 
     @property
     def checkpoint_prefix(self) -> str:
@@ -317,18 +361,31 @@ class ModelConfig:
         return (2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
                 * DTYPE_BYTES[normalize_dtype(dtype)])
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, *, active: bool = False) -> int:
+        """Parameters of the model; active: those one token reads (a mixture of experts' chosen
+        experts only; the same as all of them for a dense model)."""
         q_out = self.num_attention_heads * self.head_dim
         kv_out = self.num_key_value_heads * self.head_dim
         attn = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
         attn += (q_out + 2 * kv_out) * self.qkv_bias + self.hidden_size * self.o_proj_bias
         attn += 2 * self.head_dim * self.qk_norm
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        mlp += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
-        per_layer = attn + mlp + (4 if self.is_gemma else 2) * self.hidden_size
+        norms = (4 if self.is_gemma else 2) * self.hidden_size
+        layers = sum(attn + norms + self._mlp_parameters(i, active=active)
+                     for i in range(self.num_hidden_layers))
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_hidden_layers * per_layer + embed + head + self.hidden_size
+        return layers + embed + head + self.hidden_size
+
+    def _mlp_parameters(self, layer: int, *, active: bool) -> int:
+        """Layer `layer`'s MLP parameters: a dense MLP's, or the router's and its experts' (the
+        experts one token runs when `active`)."""
+        if self.is_sparse_layer(layer):
+            experts = self.experts
+            count = experts.num_experts_per_tok if active else experts.num_local_experts
+            return (experts.num_local_experts * self.hidden_size
+                    + count * 3 * self.hidden_size * experts.moe_intermediate_size)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return mlp + (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -345,7 +402,7 @@ class ModelConfig:
         unknown = sorted(set(raw) - _READ - _KNOWN_UNUSED)
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {unknown}")
-        raw = {**_DEFAULTS.get(arch, {}), **raw}
+        raw = {**_DEFAULTS.get(arch, {}), **_canonical_expert_count(raw, source)}
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         for key in required:
@@ -380,13 +437,14 @@ class ModelConfig:
                                             or "float32"),
                 eos_token_ids=read_eos_token_ids(raw.get("eos_token_id")),
                 hidden_act=_read_activation(raw, activation_field, source),
-                qk_norm=arch in ("Qwen3ForCausalLM",) + GEMMA3_ARCHITECTURES,
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") + GEMMA3_ARCHITECTURES,
                 query_pre_attn_scalar=_optional_float(raw, "query_pre_attn_scalar", is_gemma),
                 # Gemma 3's attention never soft-caps in transformers, whatever its config says
                 attn_logit_softcapping=_optional_float(raw, "attn_logit_softcapping",
                                                        arch == "Gemma2ForCausalLM"),
                 final_logit_softcapping=_optional_float(raw, "final_logit_softcapping",
                                                         is_gemma),
+                experts=_read_experts(raw, arch),
             )
         except ValueError as err:
             if source in str(err):
@@ -454,7 +512,7 @@ def _read_biases(raw: dict, arch: str) -> tuple[bool, bool, bool]:
     """(qkv_bias, o_proj_bias, mlp_bias) as each transformers architecture builds its Linears."""
     if arch == "Qwen2ForCausalLM":
         return True, False, False
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         return False, False, False
     attention_bias = bool(raw.get("attention_bias", False))
     mlp_bias = arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False))
@@ -475,8 +533,11 @@ def _read_layer_types(raw: dict, arch: str, source: str) -> tuple[int | None, tu
     window = raw.get("sliding_window")
     if arch == "LlamaForCausalLM":
         window = None  # transformers' Llama has no sliding window, whatever the config says
-    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         layer_types = None  # one window for every layer (transformers ignores layer_types)
+    elif arch == "Qwen3MoeForCausalLM":  # every layer slides when use_sliding_window is set
+        window = window if raw.get("use_sliding_window", False) else None
+        layer_types = None
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         window = window if raw.get("use_sliding_window", False) else None
         first_sliding = int(raw["max_window_layers"])
@@ -488,6 +549,43 @@ def _read_layer_types(raw: dict, arch: str, source: str) -> tuple[int | None, tu
     if window is None or (layer_types is not None and LAYER_TYPES[1] not in layer_types):
         return None, None
     return int(window), None if layer_types is None else tuple(layer_types)
+
+
+def _canonical_expert_count(raw: dict, source: str) -> dict:
+    """raw with the number of experts under `num_local_experts` (Qwen3-MoE's checkpoints call it
+    `num_experts`; transformers 5 writes either name)."""
+    if "num_experts" not in raw:
+        return raw
+    raw = dict(raw)
+    count = raw.pop("num_experts")
+    if raw.get("num_local_experts", count) != count:
+        raise ValueError(f"{source}: fields 'num_experts' ({count}) and 'num_local_experts' "
+                         f"({raw['num_local_experts']}) disagree")
+    raw["num_local_experts"] = count
+    return raw
+
+
+def _read_experts(raw: dict, arch: str) -> ExpertsConfig | None:
+    """The mixture-of-experts MLP of a MoE architecture (None for the dense ones), with each
+    transformers architecture's routing: Mixtral routes every layer with renormalised float32
+    weights and experts of intermediate_size; Qwen3-MoE as its config says."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    layers = int(raw["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return ExpertsConfig(
+            num_local_experts=int(raw["num_local_experts"]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+            float32_weights=True, sparse_layers=(True,) * layers)
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    return ExpertsConfig(
+        num_local_experts=int(raw["num_local_experts"]),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)), float32_weights=False,
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
 def _read_ropes(raw: dict, arch: str, source: str) -> tuple[RopeConfig, RopeConfig | None]:

@@ -74,8 +74,12 @@ def device_groups(data_parallel_size: int, tensor_parallel_size: int, devices=No
 
 
 def check_config(config, mesh: Mesh | None):
-    """ValueError unless the model's heads split evenly over the mesh."""
+    """ValueError unless the model's heads split evenly over the mesh (and it has no experts:
+    those are not split yet)."""
     size = mesh_size(mesh)
+    if size > 1 and config.experts is not None:
+        raise ValueError(f"tensor_parallel_size={size}: a mixture-of-experts model "
+                         f"({config.architecture}) runs on one device for now")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={heads}")

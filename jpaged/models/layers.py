@@ -38,7 +38,8 @@ def check_matmul_precision(name) -> str:
     return name
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype, stddev=0.02):
+def normal(rngs: nnx.Rngs, shape, dtype, stddev=0.02):
+    """A parameter drawn normal with std `stddev` (the random init of every matrix)."""
     return _scaled_normal(rngs.params(), tuple(shape), jnp.dtype(dtype), stddev)
 
 
@@ -60,9 +61,9 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
                  rngs: nnx.Rngs, packing=None):
         if packing is None:
-            weight = _normal(rngs, (out_features, in_features), dtype)
+            weight = normal(rngs, (out_features, in_features), dtype)
         else:
-            weight = packing.pack([_normal(rngs, (rows, in_features), dtype)
+            weight = packing.pack([normal(rngs, (rows, in_features), dtype)
                                    for rows in packing.part_rows])
             if weight.shape[0] != out_features:
                 raise ValueError(f"packing gives {weight.shape[0]} rows, not {out_features}")
@@ -82,14 +83,14 @@ class LMHead(nnx.Module):
     layout); `LlamaForCausalLM.compute_logits` applies it."""
 
     def __init__(self, hidden_size: int, vocab_size: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (vocab_size, hidden_size), dtype))
+        self.weight = nnx.Param(normal(rngs, (vocab_size, hidden_size), dtype))
 
 
 class Embedding(nnx.Module):
     """Token embedding table weight: [V, E]."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (vocab_size, hidden_size), dtype))
+        self.weight = nnx.Param(normal(rngs, (vocab_size, hidden_size), dtype))
 
     def __call__(self, token_ids):
         return jnp.take(self.weight[...], token_ids, axis=0)
@@ -130,7 +131,7 @@ def rms_norm(size: int, config, dtype):
     return norm(size, eps=config.rms_norm_eps, dtype=dtype)
 
 
-_ACTIVATIONS = {"silu": jax.nn.silu,
+ACTIVATIONS = {"silu": jax.nn.silu,
                 "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
@@ -158,7 +159,7 @@ class GatedMLP(nnx.Module):
         gate_up = gate_up.reshape(*lead, self.blocks, 2, -1)               # [..., P, 2, F/P]
         gate = gate_up[..., 0, :].reshape(*lead, -1)                       # [..., F]
         up = gate_up[..., 1, :].reshape(*lead, -1)
-        return self.down_proj(_ACTIVATIONS[self.activation](gate) * up, precision)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up, precision)
 
 
 def rotary_cos_sin(positions, inv_frequencies: np.ndarray):

@@ -1,9 +1,9 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3) over the paged KV
-cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the mixtures of
+experts Mixtral and Qwen3-MoE) over the paged KV cache.
 
 One class serves every architecture; the config says which projections carry a bias, whether
 the embeddings are tied, how RoPE is scaled, and which layers slide a window, norm their query
-and key heads or soft-cap their scores. Gemma decoders (`ModelConfig.is_gemma`) differ in their
+and key heads, soft-cap their scores or route tokens to experts (`jpaged.models.moe`). Gemma decoders (`ModelConfig.is_gemma`) differ in their
 block (`GemmaDecoderLayer`: norms before and after attention and the MLP), their norms
 ((1 + weight)) and their scaled embeddings. Module attribute names mirror Hugging Face's parameter
 names (`model.layers.3.self_attn.o_proj.weight`), except that q/k/v and gate/up are packed
@@ -25,6 +25,7 @@ from jpaged.models import packing
 from jpaged.models.attention import AttentionMetadata, paged_attention
 from jpaged.models.layers import (DOT_PRECISIONS, Embedding, GatedMLP, Linear, LMHead, Rotary,
                                   check_matmul_precision, default_matmul_precision, rms_norm)
+from jpaged.models.moe import SparseMoE
 
 
 class LlamaAttention(nnx.Module):
@@ -97,7 +98,7 @@ class LlamaDecoderLayer(nnx.Module):
         self.input_layernorm = rms_norm(config.hidden_size, config, dtype)
         self.self_attn = LlamaAttention(config, layer_index, dtype=dtype, rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = rms_norm(config.hidden_size, config, dtype)
-        self.mlp = _mlp(config, dtype, rngs, mesh)
+        self.mlp = _mlp(config, layer_index, dtype, rngs, mesh)
 
     def __call__(self, x, cos, sin, cache, metadata, precision):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata,
@@ -116,7 +117,7 @@ class GemmaDecoderLayer(nnx.Module):
         self.self_attn = LlamaAttention(config, layer_index, dtype=dtype, rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = rms_norm(config.hidden_size, config, dtype)
         self.pre_feedforward_layernorm = rms_norm(config.hidden_size, config, dtype)
-        self.mlp = _mlp(config, dtype, rngs, mesh)
+        self.mlp = _mlp(config, layer_index, dtype, rngs, mesh)
         self.post_feedforward_layernorm = rms_norm(config.hidden_size, config, dtype)
 
     def __call__(self, x, cos, sin, cache, metadata, precision):
@@ -127,7 +128,10 @@ class GemmaDecoderLayer(nnx.Module):
         return x + self.post_feedforward_layernorm(mlp_out), cache
 
 
-def _mlp(config: ModelConfig, dtype, rngs, mesh) -> GatedMLP:
+def _mlp(config: ModelConfig, layer_index: int, dtype, rngs, mesh) -> GatedMLP | SparseMoE:
+    """Layer `layer_index`'s MLP: dense, or a mixture of experts (`ModelConfig.experts`)."""
+    if config.is_sparse_layer(layer_index):
+        return SparseMoE(config, dtype=dtype, rngs=rngs)
     shards = parallel.mesh_size(mesh)
     return GatedMLP(config.hidden_size, config.intermediate_size, use_bias=config.mlp_bias,
                     dtype=dtype, rngs=rngs, shards=shards, activation=config.hidden_act,

@@ -74,7 +74,8 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
 
     def place(name, array):
         """A host tensor (packed, in the checkpoint layout) straight into its shards."""
-        shape = array.shape[::-1] if packing.is_transposed(name) else array.shape
+        shape = (packing.transposed_shape(array.shape) if packing.is_transposed(name)
+                 else array.shape)
         return place_parameter(name, array, None if mesh is None
                                else parallel.param_sharding(name, shape, config, mesh))
 
@@ -199,18 +200,19 @@ def _draw_program(shapes: tuple, dtype: str, kind: str, packed, transposed: bool
             parts = [(jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
                      for shape in shapes]
         value = parts[0] if packed is None else packed.pack(parts)
-        return value.T if transposed else value
+        return packing.transposed(value) if transposed else value
 
     return jax.jit(draw) if sharding is None else jax.jit(draw, out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=None)
 def _transpose_program(sharding):
-    """A jitted 2-D transpose onto `sharding` (None: the default device), consuming its input:
-    the device holds one projection weight twice at most while loading."""
+    """A jitted swap of the last two axes (`packing.transposed`) onto `sharding` (None: the
+    default device), consuming its input: the device holds one projection weight twice at most
+    while loading."""
     if sharding is None:
-        return jax.jit(jnp.transpose, donate_argnums=0)
-    return jax.jit(jnp.transpose, out_shardings=sharding, donate_argnums=0)
+        return jax.jit(packing.transposed, donate_argnums=0)
+    return jax.jit(packing.transposed, out_shardings=sharding, donate_argnums=0)
 
 
 # A transposed parameter up to this size is transposed on the host: a device transpose is one
@@ -228,11 +230,12 @@ def place_parameter(name: str, array, sharding):
     if not packing.is_transposed(name):
         return jax.device_put(array, sharding)
     if array.nbytes <= HOST_TRANSPOSE_BYTES:
-        return jax.device_put(np.ascontiguousarray(array.T), sharding)
+        return jax.device_put(np.ascontiguousarray(packing.transposed(array)), sharding)
     checkpoint_sharding = sharding
     if isinstance(sharding, NamedSharding):
         checkpoint_sharding = NamedSharding(
-            sharding.mesh, PartitionSpec(*_padded(sharding.spec, array.ndim)[::-1]))
+            sharding.mesh, PartitionSpec(*packing.transposed_shape(_padded(sharding.spec,
+                                                                           array.ndim))))
     return _transpose_program(sharding)(jax.device_put(array, checkpoint_sharding))
 
 

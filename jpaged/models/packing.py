@@ -84,6 +84,53 @@ class Packing:
     def renamed(self, parts: tuple[str, ...]) -> "Packing":
         return dataclasses.replace(self, parts=parts)
 
+    def part_shapes(self, shape: tuple) -> dict[str, tuple]:
+        """{part name: its shape}, for the packed array's `shape` (checkpoint layout)."""
+        return {part: (rows, *shape[1:]) for part, rows in zip(self.parts, self.part_rows)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A mixture of experts' parameter [X, rows, in] (checkpoint layout) from per-expert
+    checkpoint tensors: expert x's rows are its parts packed by `inner` (gate and up), or its one
+    part (down). parts: every expert's part names, expert by expert."""
+    parts: tuple[str, ...]
+    num_experts: int
+    inner: Packing | None = None
+
+    @property
+    def parts_per_expert(self) -> int:
+        return len(self.parts) // self.num_experts
+
+    def pack(self, arrays):
+        """The stacked array from the parts (numpy or jax arrays, in `parts` order)."""
+        per = self.parts_per_expert
+        experts = [arrays[x * per:(x + 1) * per] for x in range(self.num_experts)]
+        rows = [parts[0] if self.inner is None else self.inner.pack(parts)
+                for parts in experts]
+        if all(isinstance(a, np.ndarray) for a in rows):
+            return np.stack(rows)
+        import jax.numpy as jnp
+        return jnp.stack(rows)
+
+    def unpack(self, stacked) -> dict:
+        """{part name: its array}."""
+        per, tensors = self.parts_per_expert, {}
+        for x in range(self.num_experts):
+            names = self.parts[x * per:(x + 1) * per]
+            if self.inner is None:
+                tensors[names[0]] = stacked[x]
+            else:
+                tensors.update(zip(names, self.inner.unpack(stacked[x]).values()))
+        return tensors
+
+    def part_shapes(self, shape: tuple) -> dict[str, tuple]:
+        """{part name: its shape}, for the stacked array's `shape` [X, rows, in]."""
+        if self.inner is None:
+            return {part: tuple(shape[1:]) for part in self.parts}
+        per_expert = list(self.inner.part_shapes(tuple(shape[1:])).values())
+        return dict(zip(self.parts, per_expert * self.num_experts))
+
 
 def _concatenate(arrays):
     if all(isinstance(a, np.ndarray) for a in arrays):
@@ -158,9 +205,45 @@ def model_gate_up_packing(config, shards: int) -> Packing:
     return gate_up_packing(config.intermediate_size, shards, fused=config.has_fused_checkpoint)
 
 
-def packing_for(name: str, config, shards: int) -> Packing | None:
+# Mixture-of-experts checkpoints, per architecture: the module holding a layer's router and
+# experts, and each expert's gate and up tensors and its down tensor
+EXPERT_CHECKPOINT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3"), "w2"),
+                           "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj"), "down_proj")}
+# A mixture of experts' parameters (in the model as in transformers 5): `<layer>.mlp.gate.weight`
+# (the router, [X, E]), `<layer>.mlp.experts.gate_up_proj` ([X, E, 2F]) and `...down_proj`
+# ([X, F, E]); the experts' are stored [in, out] per expert, like the projections
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def expert_packing(name: str, config) -> Packing | Stacked | None:
+    """The checkpoint tensors of a mixture of experts' parameter `name` (a Stacked for the
+    experts, a Packing of one renamed part for a router whose module the checkpoint names
+    otherwise), or None for any other parameter."""
+    layer, _, rest = name.partition(".mlp.")
+    if config.experts is None or rest not in EXPERT_PARAMETERS + ("gate.weight",):
+        return None
+    block, gate_up, down = EXPERT_CHECKPOINT_NAMES[config.architecture]
+    prefix = f"{layer}.{block}"
+    if rest == "gate.weight":
+        rows = config.experts.num_local_experts
+        return None if block == "mlp" else Packing((f"{prefix}.gate.weight",), (rows,),
+                                                   tuple(range(rows)))
+    num_experts = config.experts.num_local_experts
+    if rest == "experts.down_proj":
+        return Stacked(tuple(f"{prefix}.experts.{x}.{down}.weight" for x in range(num_experts)),
+                       num_experts)
+    inner = gate_up_packing(config.experts.moe_intermediate_size, 1)
+    return Stacked(tuple(f"{prefix}.experts.{x}.{part}.weight"
+                         for x in range(num_experts) for part in gate_up), num_experts, inner)
+
+
+def packing_for(name: str, config, shards: int) -> Packing | Stacked | None:
     """The Packing of parameter `name` (e.g. 'model.layers.0.self_attn.qkv_proj.weight') with
-    its parts named as checkpoint tensors, or None for a parameter that is not packed."""
+    its parts named as checkpoint tensors, a mixture of experts' `expert_packing`, or None for a
+    parameter that is not packed."""
+    if config.experts is not None and ".mlp." in name and (
+            name.endswith(EXPERT_PARAMETERS) or name.endswith(".mlp.gate.weight")):
+        return expert_packing(name, config)
     module, _, kind = name.rpartition(".")
     prefix, _, layer = module.rpartition(".")
     if layer == "qkv_proj":
@@ -173,23 +256,34 @@ def packing_for(name: str, config, shards: int) -> Packing | None:
 
 
 def is_transposed(name: str) -> bool:
-    """Whether parameter `name` is stored transposed from its checkpoint tensors: the Linear
-    projections' weights ('....o_proj.weight', '....qkv_proj.weight', ...), stored [in, out]."""
-    return name.endswith("_proj.weight")
+    """Whether parameter `name` is stored transposed from its checkpoint tensors (its last two
+    axes swapped): the Linear projections' weights ('....o_proj.weight', '....qkv_proj.weight',
+    ...) and the experts' ('....experts.gate_up_proj'), stored [in, out]."""
+    return name.endswith("_proj.weight") or name.endswith(EXPERT_PARAMETERS)
+
+
+def transposed(array):
+    """`array` (numpy or jax) with its last two axes swapped: a parameter's layout from its
+    checkpoint's or back (`is_transposed`)."""
+    return array.swapaxes(-1, -2)
+
+
+def transposed_shape(shape) -> tuple:
+    return (*shape[:-2], shape[-1], shape[-2])
 
 
 def checkpoint_shapes(name: str, shape: tuple, config, shards: int) -> dict[str, tuple]:
     """{checkpoint tensor name: shape} that parameter `name` of `shape` is built from."""
-    shape = tuple(shape[::-1]) if is_transposed(name) else tuple(shape)
+    shape = transposed_shape(shape) if is_transposed(name) else tuple(shape)
     packing = packing_for(name, config, shards)
     if packing is None:
         return {name: shape}
-    return {part: (rows, *shape[1:]) for part, rows in zip(packing.parts, packing.part_rows)}
+    return packing.part_shapes(shape)
 
 
 def to_checkpoint(name: str, value, config, shards: int) -> dict:
     """{checkpoint tensor name: array} of parameter `name`'s value: transposed back to the
     checkpoint layout and unpacked into its parts."""
-    value = value.T if is_transposed(name) else value
+    value = transposed(value) if is_transposed(name) else value
     packing = packing_for(name, config, shards)
     return {name: value} if packing is None else packing.unpack(value)

@@ -222,7 +222,7 @@ def _checkpoint_sharding(sharding, transposed: bool):
     if not transposed or not isinstance(sharding, NamedSharding):
         return sharding
     spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
+    return NamedSharding(sharding.mesh, PartitionSpec(*packing.transposed_shape(spec)))
 
 
 def _row_split(home, rows: int):
@@ -241,5 +241,5 @@ def _device_program(packed, transposed: bool, dtype, sharding):
     caller's."""
     def convert(*parts):
         array = parts[0] if packed is None else packed.pack(parts)
-        return (array.T if transposed else array).astype(dtype)
+        return (packing.transposed(array) if transposed else array).astype(dtype)
     return jax.jit(convert, out_shardings=sharding)

@@ -1,0 +1,95 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a softmax router picks each token's top-k
+experts, and the experts run as grouped matmuls over the tokens routed to each.
+
+Grouped, never dense: the T x k (token, expert) pairs are sorted by expert, and one
+`jax.lax.ragged_dot` per projection multiplies each expert's contiguous run of rows by that
+expert's weights, so the work is T x k rows whatever the number of experts. Every shape is
+static (T x k rows, X groups whose sizes are data), so a step never recompiles for a routing.
+
+Numerics follow transformers: router logits in the model dtype, softmax in float32, top-k,
+renormalised where the config says; each expert's output scaled by its weight (in float32
+for Mixtral, in the model dtype for Qwen3-MoE), cast to the model dtype, and a token's experts
+summed in ascending expert order, as transformers' index_add over experts does.
+Axis names: T tokens, E hidden size, X experts, k experts per token, F an expert's intermediate
+size. Weights [X, E, 2F] and [X, F, E]: each expert's [in, out], like the projections
+(`packing.is_transposed`); gate and up packed as in `packing.gate_up_packing`.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jpaged.config import ModelConfig
+from jpaged.models.layers import ACTIVATIONS, DOT_PRECISIONS, normal
+
+
+class Router(nnx.Module):
+    """The router's weight [X, E] (a torch Linear's layout: one row per expert)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(normal(rngs, (num_experts, hidden_size), dtype))
+
+
+class Experts(nnx.Module):
+    """Every expert's gated MLP: gate_up_proj [X, E, 2F] (gate's F columns, then up's),
+    down_proj [X, F, E]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype,
+                 rngs: nnx.Rngs):
+        self.gate_up_proj = nnx.Param(normal(
+            rngs, (num_experts, hidden_size, 2 * intermediate_size), dtype))
+        self.down_proj = nnx.Param(normal(rngs, (num_experts, intermediate_size, hidden_size),
+                                          dtype))
+
+
+class SparseMoE(nnx.Module):
+    """x [T, E] -> the sum of each token's top-k experts' outputs, weighted by the router."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        experts = config.experts
+        self.top_k = experts.num_experts_per_tok
+        self.num_experts = experts.num_local_experts
+        self.norm_topk_prob = experts.norm_topk_prob
+        self.float32_weights = experts.float32_weights
+        self.activation = config.hidden_act
+        self.gate = Router(config.hidden_size, self.num_experts, dtype=dtype, rngs=rngs)
+        self.experts = Experts(self.num_experts, config.hidden_size,
+                               experts.moe_intermediate_size, dtype=dtype, rngs=rngs)
+
+    def route(self, x, precision: str = "default"):
+        """x [T, E] -> (expert ids [T, k] int32 in ascending order, their weights [T, k]:
+        float32, or the model dtype where the architecture casts them)."""
+        logits = jnp.einsum("te,xe->tx", x, self.gate.weight[...],
+                            precision=DOT_PRECISIONS[precision])
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, expert_ids = jax.lax.top_k(probs, self.top_k)            # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if not self.float32_weights:
+            weights = weights.astype(x.dtype)
+        order = jnp.argsort(expert_ids, axis=-1)
+        return (jnp.take_along_axis(expert_ids, order, axis=-1).astype(jnp.int32),
+                jnp.take_along_axis(weights, order, axis=-1))
+
+    def __call__(self, x, precision: str = "default"):
+        """x [T, E] -> [T, E]; precision: the matmuls' (a `DOT_PRECISIONS` name)."""
+        num_tokens, k = x.shape[0], self.top_k
+        expert_ids, weights = self.route(x, precision)
+        flat = expert_ids.reshape(-1)                                      # [T*k]
+        by_expert = jnp.argsort(flat, stable=True)                         # rows grouped
+        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)   # [X]
+        rows = jnp.take(x, by_expert // k, axis=0)                         # [T*k, E]
+        dot = DOT_PRECISIONS[precision]
+        gate_up = jax.lax.ragged_dot(rows, self.experts.gate_up_proj[...], group_sizes,
+                                     precision=dot)                        # [T*k, 2F]
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        hidden = ACTIVATIONS[self.activation](gate) * up                   # [T*k, F]
+        out = jax.lax.ragged_dot(hidden, self.experts.down_proj[...], group_sizes,
+                                 precision=dot)                            # [T*k, E]
+        out = jnp.zeros_like(out).at[by_expert].set(out)                   # token order again
+        out = out.reshape(num_tokens, k, -1)                               # [T, k, E]
+        scaled = (out * weights[..., None]).astype(x.dtype)
+        total = scaled[:, 0]
+        for j in range(1, k):   # ascending expert order, as transformers adds them
+            total = total + scaled[:, j]
+        return total
