@@ -376,6 +376,11 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else embed
         return layers + embed + head + self.hidden_size
 
+    def weight_bytes(self, *, active: bool = False) -> int:
+        """Bytes of the weights in the checkpoint's dtype (`torch_dtype`); active: those one
+        token reads (`num_parameters`)."""
+        return self.num_parameters(active=active) * DTYPE_BYTES[self.torch_dtype]
+
     def _mlp_parameters(self, layer: int, *, active: bool) -> int:
         """Layer `layer`'s MLP parameters: a dense MLP's, or the router's and its experts' (the
         experts one token runs when `active`)."""

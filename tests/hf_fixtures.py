@@ -225,6 +225,30 @@ def build_gemma3_multimodal(out_dir: Path):
 
 
 
+def build_mixtral(out_dir: Path):
+    """Mixtral: 4 experts of intermediate size 32, top 2 (renormalised, weights in float32),
+    GQA, a sliding window (8) shorter than the test prompts."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=8,
+                           **dict(_COMMON, intermediate_size=32))
+    _save(MixtralForCausalLM, config, out_dir, seed=16)
+
+
+def build_qwen3_moe(out_dir: Path):
+    """Qwen3-MoE: 8 experts of intermediate size 32, top 3 (not renormalised: a token's three
+    outputs summed in expert order matter), q/k norms, head_dim 32; layer 1 dense
+    (`mlp_only_layers`, intermediate size 128)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                            norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1e6,
+                            **_COMMON)
+    _save(Qwen3MoeForCausalLM, config, out_dir, seed=17)
+
+
 # ---- float32 parity models (tests/test_float32_parity.py; not in BUILDERS, so the model tests do
 # not run them too): one per family, each a different mix of MQA (K = 1), a head size that is not
 # a power of two (48; Phi-3's 24) and the family's RoPE variant, sized so that a 40-token prompt
@@ -363,10 +387,13 @@ BUILDERS = {
     "gemma2": build_gemma2,
     "gemma3": build_gemma3,
     "gemma3_multimodal": build_gemma3_multimodal,
+    "mixtral": build_mixtral,
+    "qwen3_moe": build_qwen3_moe,
 }
 # The families added to the Llama ones, and the checkpoints whose attention slides a window or
 # soft-caps its scores (arguments the Pallas kernels may not take yet)
 NEW_FAMILIES = ("qwen3", "phi3", "gemma2", "gemma3")
+MOE_CHECKPOINTS = ("mixtral", "qwen3_moe")
 WINDOWED = ("mistral_window", "qwen2_window", "gemma2", "gemma3")
 FLOAT32_CHECKPOINTS = tuple(name for name in BUILDERS if name != "llama_bf16")
 

@@ -42,7 +42,8 @@ def test_cli_json_keys():
     ("mistral-7b", 2 * 32 * 8 * 128 * 2), ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),
     ("tiny", 2 * 2 * 2 * 16 * 2), ("qwen3-8b", 2 * 36 * 8 * 128 * 2),
     ("phi-3-mini-4k", 2 * 32 * 32 * 96 * 2), ("gemma-2-9b", 2 * 42 * 8 * 256 * 2),
-    ("gemma-3-12b", 2 * 48 * 8 * 256 * 2)])
+    ("gemma-3-12b", 2 * 48 * 8 * 256 * 2), ("qwen3-30b-a3b", 2 * 48 * 4 * 128 * 2),
+    ("mixtral-8x7b", 2 * 32 * 8 * 128 * 2)])
 def test_shipped_configs(name, per_token_bf16):
     assert ModelConfig.preset(name).kv_bytes_per_token("bfloat16") == per_token_bf16
 
@@ -64,6 +65,21 @@ def test_sliding_layers_reported(name, sliding_layers, window, capsys):
     assert numbers["bytes_per_token"] == ModelConfig.preset(name).kv_bytes_per_token("bf16")
     text = _kv_calc_main(["--model", name], capsys)
     assert (f"{sliding_layers} layers slide a {window}-token window" in text) == bool(window)
+
+
+@pytest.mark.parametrize("name, experts, total_gb, active_gb", [
+    ("qwen3-30b-a3b", 128, 61.06, 6.71), ("mixtral-8x7b", 8, 93.41, 25.76),
+    ("llama3-8b", 0, 16.06, 16.06)])
+def test_weights_counted_with_their_experts(name, experts, total_gb, active_gb, capsys):
+    """bf16 weights: every expert held, a token's routed experts read (tests/test_moe.py works
+    the parameter counts); a dense model reads all of its weights."""
+    numbers = json.loads(_kv_calc_main(["--model", name, "--json"], capsys))
+    assert numbers["num_experts"] == experts and numbers["weight_dtype"] == "bfloat16"
+    assert round(numbers["weight_bytes"] / 1e9, 2) == total_gb
+    assert round(numbers["active_weight_bytes"] / 1e9, 2) == active_gb
+    text = _kv_calc_main(["--model", name], capsys)
+    assert f"weights (bfloat16) {total_gb:.2f} GB, {active_gb:.2f} GB read per token" in text
+    assert ("routed experts only" in text) == bool(experts)
 
 
 def test_every_shipped_config_loads():
@@ -100,3 +116,14 @@ def test_activation_reserve_covers_a_step_of_scored_positions():
     assert logit_rows(2048, 64) == CAP and logit_rows(32768, 64) == CAP   # the cap decides
     assert logit_rows(256, 64) == 256                                     # a small budget
     assert logit_rows(2048, 4 * CAP) == 4 * CAP                           # sequences decide
+
+
+def test_activation_reserve_holds_each_tokens_routed_rows():
+    """Qwen3-30B-A3B: a token's 8 routed rows (gathered input, gate/up, hidden, output:
+    8 x (2 x 2048 + 3 x 768)) plus its 128 router logits outweigh the dense MLP's 3 x 6144."""
+    from jpaged.engine.builder import activation_reserve_bytes
+
+    config = ModelConfig.preset("qwen3-30b-a3b")
+    per_token = 4 * (4 * 2048 + 2 * (32 + 2 * 4) * 128 + 128 + 8 * (2 * 2048 + 3 * 768))
+    assert (activation_reserve_bytes(config, 4096, 8) - activation_reserve_bytes(config, 2048, 8)
+            == 2048 * per_token)

@@ -29,7 +29,7 @@ from tests import child_process
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "llama_gqa"
 FAMILIES = ("llama_gqa", "qwen2", "llama_head_dim", "qwen3", "phi3", "gemma2", "gemma3",
-            "gemma3_multimodal")
+            "gemma3_multimodal", "mixtral", "qwen3_moe")
 TENSOR_PARALLEL_SIZE = 2
 
 

@@ -50,6 +50,9 @@ def format_report(model: str, dtype: str, numbers: dict, args) -> str:
         f"{numbers['prefix_bytes_unshared'] / gb:.2f} GB unshared, "
         f"{numbers['prefix_bytes_shared'] / gb:.2f} GB shared "
         f"({numbers['prefix_bytes_shared_paged'] / gb:.2f} GB in whole blocks)",
+        f"  weights ({numbers['weight_dtype']}) {numbers['weight_bytes'] / gb:.2f} GB, "
+        f"{numbers['active_weight_bytes'] / gb:.2f} GB read per token"
+        + (" (its routed experts only)" if numbers["num_experts"] else ""),
     ] + ([f"  {numbers['sliding_layers']} layers slide a {numbers['sliding_window']}-token "
           "window; the cache still holds every token in every layer"]
          if numbers["sliding_layers"] else []))
@@ -63,7 +66,11 @@ def main(argv=None) -> int:
         numbers = kv_footprint(config, tokens=args.tokens, block_size=args.block_size,
                                dtype=dtype, users=args.users, shared_prefix=args.shared_prefix)
         numbers.update(sliding_layers=config.num_sliding_layers,
-                       sliding_window=config.sliding_window if config.num_sliding_layers else None)
+                       sliding_window=config.sliding_window if config.num_sliding_layers else None,
+                       weight_dtype=config.torch_dtype, weight_bytes=config.weight_bytes(),
+                       active_weight_bytes=config.weight_bytes(active=True),
+                       num_experts=0 if config.experts is None
+                       else config.experts.num_local_experts)
     except (ValueError, FileNotFoundError) as err:
         print(f"kv_calc: error: {err}", file=sys.stderr)
         return 2

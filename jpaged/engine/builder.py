@@ -194,11 +194,17 @@ def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs)
     residual stream, q/k/v, attention output and the MLP's three intermediate-size tensors; per
     row of logits the logits and the sampler's sort buffers (x4); plus fixed slack. Rows of
     logits: a sampled row per sequence, or a step's scored prompt positions (prompt logprobs,
-    `score`: at most SCORED_POSITIONS_PER_STEP, the scheduler's cap): the larger count."""
+    `score`: at most SCORED_POSITIONS_PER_STEP, the scheduler's cap): the larger count. A
+    mixture of experts' MLP holds each token's k rows (`jpaged.models.moe`)."""
     hidden, inter = model_config.hidden_size, model_config.intermediate_size
     qkv = (model_config.num_attention_heads + 2 * model_config.num_key_value_heads) * \
         model_config.head_dim
-    per_token = 4 * (4 * hidden + 2 * qkv + 3 * inter)
+    mlp = 3 * inter
+    experts = model_config.experts
+    if experts is not None:   # each token's k rows: gathered input, gate/up, hidden, output
+        mlp = max(mlp, experts.num_local_experts + experts.num_experts_per_tok * (
+            2 * hidden + 3 * experts.moe_intermediate_size))
+    per_token = 4 * (4 * hidden + 2 * qkv + mlp)
     scored = min(max_num_batched_tokens, SCORED_POSITIONS_PER_STEP)
     logits = 4 * 4 * max(max_num_seqs, scored) * model_config.vocab_size
     return max_num_batched_tokens * per_token + logits + ACTIVATION_SLACK_BYTES
