@@ -175,6 +175,9 @@ class ExpertsConfig:
     outputs in float32 (Mixtral) rather than cast to the model dtype first (Qwen3-MoE), as each
     transformers architecture does. sparse_layers[i]: layer i routes (else it has a dense MLP of
     the model's intermediate_size: Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
+    expert_parallel: not the checkpoint's but how a mesh splits the experts (the engine's
+    enable_expert_parallel): whole experts per device, or every expert's intermediate dimension
+    (`jpaged.parallel`).
     """
     num_local_experts: int
     num_experts_per_tok: int
@@ -182,6 +185,7 @@ class ExpertsConfig:
     norm_topk_prob: bool
     float32_weights: bool
     sparse_layers: tuple
+    expert_parallel: bool = False
 
     def __post_init__(self):
         for name in ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"):

@@ -25,7 +25,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # tests/test_config.py keeps equal to these), and "auto": the model's own (by its dtype).
 MATMUL_PRECISIONS = ("auto", "highest", "high", "default")
 # Options that load a model (from_pretrained); from_model, given a built model, refuses them.
-LOADING_OPTIONS = ("dtype", "load_format", "devices")
+LOADING_OPTIONS = ("dtype", "load_format", "devices", "enable_expert_parallel")
 
 
 class OptionError(ValueError):
@@ -199,6 +199,10 @@ OPTIONS: tuple[Option, ...] = (
            "swap)", gibibytes),
     Option("tensor_parallel_size", int, 1, "devices each engine splits the model and KV cache "
            "over (Megatron-style heads and MLP columns; docs/parallelism.md)", positive_int),
+    Option("enable_expert_parallel", bool, False, "a mixture-of-experts model's experts split "
+           "whole over the tensor_parallel_size devices (expert parallelism) rather than each "
+           "expert's intermediate dimension (tensor parallelism); a dense model ignores it",
+           boolean),
     Option("devices", list, None, "the devices for tensor_parallel_size (None: the first of "
            "jax.devices())", device_list, is_decided_at_start=True, is_flag=False),
     Option("data_parallel_size", int, 1, "independent engine replicas on disjoint groups of "

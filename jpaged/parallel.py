@@ -74,12 +74,17 @@ def device_groups(data_parallel_size: int, tensor_parallel_size: int, devices=No
 
 
 def check_config(config, mesh: Mesh | None):
-    """ValueError unless the model's heads split evenly over the mesh (and it has no experts:
-    those are not split yet)."""
+    """ValueError unless the model's heads, and its experts (whole, or along their intermediate
+    dimension), split evenly over the mesh."""
     size = mesh_size(mesh)
-    if size > 1 and config.experts is not None:
-        raise ValueError(f"tensor_parallel_size={size}: a mixture-of-experts model "
-                         f"({config.architecture}) runs on one device for now")
+    experts = config.experts
+    if experts is not None and experts.expert_parallel and experts.num_local_experts % size:
+        raise ValueError(f"tensor_parallel_size={size} with expert parallelism must divide "
+                         f"num_local_experts={experts.num_local_experts}")
+    if experts is not None and not experts.expert_parallel \
+            and experts.moe_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the experts' intermediate "
+                         f"size {experts.moe_intermediate_size} (or enable expert parallelism)")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={heads}")
@@ -97,6 +102,8 @@ def param_spec(name: str, shape, config, size: int) -> PartitionSpec:
     """The partition spec of the parameter with this name and shape on `size` devices."""
     module, _, kind = name.rpartition(".")
     layer = module.rpartition(".")[2]
+    if layer == "experts":
+        return expert_spec(kind, config.experts.expert_parallel)
     if layer == "gate_up_proj" and config.intermediate_size % size:
         return REPLICATED  # its rows are not in per-device blocks (packing.gate_up_shards)
     if layer in _COLUMN:
@@ -112,6 +119,15 @@ def param_spec(name: str, shape, config, size: int) -> PartitionSpec:
     if any(axis and dim % size for axis, dim in zip(spec, shape)):
         return REPLICATED
     return PartitionSpec(*spec)
+
+
+def expert_spec(kind: str, expert_parallel: bool) -> PartitionSpec:
+    """The spec of a mixture of experts' `gate_up_proj` [X, E, 2F] or `down_proj` [X, F, E]:
+    split along X (expert parallelism), else column-parallel gate/up and row-parallel down
+    along F (each expert's gate/up columns in per-device blocks, `packing.gate_up_packing`)."""
+    if expert_parallel:
+        return PartitionSpec(AXIS)
+    return PartitionSpec(None, None, AXIS) if kind == "gate_up_proj" else PartitionSpec(None, AXIS)
 
 
 def param_sharding(name: str, shape, config, mesh: Mesh) -> NamedSharding:

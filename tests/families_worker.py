@@ -2,7 +2,7 @@
 JAX backend started with one): each checkpoint's greedy tokens from one engine that uses every
 engine feature at once.
 
-python -m tests.families_worker TENSOR_PARALLEL_SIZE CHECKPOINT...
+python -m tests.families_worker TENSOR_PARALLEL_SIZE [--expert-parallel] CHECKPOINT...
     per checkpoint: tensor parallelism over TENSOR_PARALLEL_SIZE devices, prefix caching (the
     prompts share a 12-token prefix), recompute preemption (a pool too small for the batch),
     multi-step decode (4 steps per loop) and chunked prefill (a 16-token budget), blocks of 4
@@ -29,10 +29,11 @@ def prompts(vocab_size: int = 320) -> list[list[int]]:
     return [shared + rng.integers(2, vocab_size, n).tolist() for n in (3, 9, 6, 1)]
 
 
-def run(checkpoint: str, tensor_parallel_size: int) -> dict:
+def run(checkpoint: str, tensor_parallel_size: int, expert_parallel: bool = False) -> dict:
     from jpaged import LLM, SamplingParams
 
-    llm = LLM(checkpoint, tensor_parallel_size=tensor_parallel_size, **ENGINE_OPTIONS)
+    llm = LLM(checkpoint, tensor_parallel_size=tensor_parallel_size,
+              enable_expert_parallel=expert_parallel, **ENGINE_OPTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts(), sampling_params=params, use_tqdm=False)
     stats = llm.stats()
@@ -42,7 +43,10 @@ def run(checkpoint: str, tensor_parallel_size: int) -> dict:
 
 def main(argv) -> None:
     tensor_parallel_size, checkpoints = int(argv[0]), argv[1:]
-    print(json.dumps({path: run(path, tensor_parallel_size) for path in checkpoints}))
+    expert_parallel = checkpoints[:1] == ["--expert-parallel"]
+    checkpoints = checkpoints[expert_parallel:]
+    print(json.dumps({path: run(path, tensor_parallel_size, expert_parallel)
+                      for path in checkpoints}))
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ BAD_VALUES = {
     "async_depth": 0, "warmup": 1, "strict_compilation": None, "compilation_cache_dir": 3,
     "enable_prefix_caching": "no", "preemption_mode": "evict", "swap_space": float("inf"),
     "tensor_parallel_size": 0, "devices": [], "data_parallel_size": 0,
-    "logprobs_mode": "logits", "matmul_precision": "float32",
+    "logprobs_mode": "logits", "matmul_precision": "float32", "enable_expert_parallel": 1,
 }
 
 

@@ -1,11 +1,16 @@
 """Mixtures of experts (Mixtral, Qwen3-MoE): the grouped-matmul MLP against a per-token numpy
 oracle, the routing worked by hand, the configs as transformers reads them, the presets at their
-real sizes, dummy weights, and the engine's features together against transformers' tokens.
+real sizes, dummy weights, the engine's features together against transformers' tokens, on one
+device and split over two (tensor and expert parallelism).
 (Prompt logits, chunked prefill, greedy decode and weight round trips of the two fixtures run
 with every other family in tests/test_models.py and tests/test_update_weights.py.)"""
 
+import dataclasses
 import functools
 import json
+import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +23,10 @@ from jpaged.config import ModelConfig
 from jpaged.models import LlamaForCausalLM, checkpoint_tensors, load_model
 from jpaged.models.moe import SparseMoE
 from jpaged.parallel import check_config, make_mesh
-from tests import families_worker
+from tests import child_process, families_worker
 from tests.hf_fixtures import MOE_CHECKPOINTS, VOCAB_SIZE
 
+ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, EXPERT_SIZE = 16, 8
 
 
@@ -184,12 +190,56 @@ def test_dummy_weights_have_the_checkpoint_names_and_shapes(hf_checkpoints, name
     assert experts and all(float(np.std(np.asarray(dummy[n]))) > 0 for n in experts)
 
 
-def test_tensor_parallelism_is_refused_with_the_reason(hf_checkpoints):
-    config = load_model(hf_checkpoints["mixtral"], load_format="dummy")[1]
-    check_config(config, make_mesh(1))   # one device: no mesh, fine
-    two_devices = type("Mesh", (), {"shape": {"tp": 2}})()   # the size is all it reads
-    with pytest.raises(ValueError, match="mixture-of-experts .* one device"):
-        check_config(config, two_devices)
+@pytest.fixture(scope="module")
+def split_runs(hf_checkpoints) -> dict:
+    """tests/moe_worker.py's report on 2 forced CPU devices (XLA's optimisations off there:
+    these runs check tokens and shardings, not speed)."""
+    paths = [hf_checkpoints[name] for name in MOE_CHECKPOINTS]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    out = child_process.run([sys.executable, "-m", "tests.moe_worker", *paths], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"layer_errors": report["layer_errors"],
+            **{name: report[path] for name, path in zip(MOE_CHECKPOINTS, paths)}}
+
+
+@pytest.mark.parametrize("split, specs", [
+    ("tensor", {"gate_up_proj": "(None, None, 'tp')", "down_proj": "(None, 'tp')"}),
+    ("expert", {"gate_up_proj": "('tp',)", "down_proj": "('tp',)"})])
+@pytest.mark.parametrize("name", MOE_CHECKPOINTS)
+def test_split_over_two_devices_gives_transformers_tokens(hf_checkpoints, split_runs, name,
+                                                          split, specs):
+    """Each expert's intermediate dimension split (tensor), or whole experts per device
+    (expert: enable_expert_parallel), with every engine feature at once: the tokens of one
+    device, which are transformers'."""
+    run = split_runs[name][split]
+    assert run["specs"] == specs
+    assert run["stats"]["num_preemptions"] > 0
+    assert run["stats"]["num_free_blocks"] == run["stats"]["num_kv_blocks"] - 1
+    for prompt, tokens in zip(families_worker.prompts(), run["tokens"]):
+        assert tokens == _hf_greedy(hf_checkpoints[name], tuple(prompt),
+                                    families_worker.MAX_TOKENS)
+
+
+def test_split_layer_equals_one_device(split_runs):
+    """One layer in float32, 8 experts top 3 over 2 devices, at 1, 3 and 40 tokens (one token
+    leaves a device's experts without rows): the same output as on one device, to rounding
+    (the tensor split sums two partial products)."""
+    assert split_runs["layer_errors"]["expert"] <= 1e-6
+    assert split_runs["layer_errors"]["tensor"] <= 1e-6
+
+
+def test_splits_that_do_not_divide_are_refused_by_name(hf_checkpoints):
+    config = load_model(hf_checkpoints["mixtral"], load_format="dummy")[1]   # 4 experts, F 32
+    check_config(config, make_mesh(1))
+    three = type("Mesh", (), {"shape": {"tp": 3}})()   # the size is all it reads
+    with pytest.raises(ValueError, match="divide the experts' intermediate size 32"):
+        check_config(config, three)
+    experts = dataclasses.replace(config.experts, expert_parallel=True)
+    with pytest.raises(ValueError, match="expert parallelism must divide num_local_experts=4"):
+        check_config(dataclasses.replace(config, experts=experts), three)
 
 
 @functools.cache

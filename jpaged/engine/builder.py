@@ -108,7 +108,8 @@ def resolve_engine_config(model=None, **options):
     model_dir = default_model_dir() if model is None else Path(model)
     mesh = parallel.make_mesh(settings["tensor_parallel_size"], settings["devices"])
     llm_model, _ = load_model(model_dir, dtype=settings["dtype"],
-                              load_format=settings["load_format"], mesh=mesh)
+                              load_format=settings["load_format"], mesh=mesh,
+                              expert_parallel=settings["enable_expert_parallel"])
     return llm_model, load_tokenizer(model_dir), decide_engine_config(llm_model, settings)
 
 

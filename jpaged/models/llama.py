@@ -131,7 +131,7 @@ class GemmaDecoderLayer(nnx.Module):
 def _mlp(config: ModelConfig, layer_index: int, dtype, rngs, mesh) -> GatedMLP | SparseMoE:
     """Layer `layer_index`'s MLP: dense, or a mixture of experts (`ModelConfig.experts`)."""
     if config.is_sparse_layer(layer_index):
-        return SparseMoE(config, dtype=dtype, rngs=rngs)
+        return SparseMoE(config, dtype=dtype, rngs=rngs, mesh=mesh)
     shards = parallel.mesh_size(mesh)
     return GatedMLP(config.hidden_size, config.intermediate_size, use_bias=config.mlp_bias,
                     dtype=dtype, rngs=rngs, shards=shards, activation=config.hidden_act,

@@ -45,8 +45,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
 
 
-def load_model(model_dir, *, dtype="auto", load_format="auto",
-               mesh=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir, *, dtype="auto", load_format="auto", mesh=None,
+               expert_parallel: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     """(model, config) from a Hugging Face directory; dtype "auto" = the config's torch_dtype.
 
     load_format "auto" reads the directory's weights (safetensors or orbax); "dummy" reads only
@@ -56,7 +56,9 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
 
     config.eos_token_ids merges config.json's and generation_config.json's `eos_token_id`.
     mesh: a tensor-parallel mesh (`jpaged.parallel.make_mesh`): every tensor goes straight to
-    its shards (`parallel.param_spec`), never whole onto one device.
+    its shards (`parallel.param_spec`), never whole onto one device. expert_parallel: a mixture
+    of experts' experts split whole over the mesh rather than along their intermediate dimension
+    (`ExpertsConfig.expert_parallel`; a dense model ignores it).
     Raises FileNotFoundError naming a missing file, ValueError naming a bad field or tensor.
     """
     model_dir = Path(model_dir)
@@ -66,6 +68,9 @@ def load_model(model_dir, *, dtype="auto", load_format="auto",
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     config = ModelConfig.from_json(model_dir / "config.json")
     config = dataclasses.replace(config, eos_token_ids=_merged_eos_ids(model_dir, config))
+    if expert_parallel and config.experts is not None:
+        config = dataclasses.replace(config, experts=dataclasses.replace(
+            config.experts, expert_parallel=True))
     dtype = jnp.dtype(config.torch_dtype if dtype == "auto" else normalize_dtype(dtype))
     parallel.check_config(config, mesh)
     if load_format == "dummy":

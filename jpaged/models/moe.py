@@ -10,8 +10,13 @@ Numerics follow transformers: router logits in the model dtype, softmax in float
 renormalised where the config says; each expert's output scaled by its weight (in float32
 for Mixtral, in the model dtype for Qwen3-MoE), cast to the model dtype, and a token's experts
 summed in ascending expert order, as transformers' index_add over experts does.
+On a mesh (`jpaged.parallel`) the routing is replicated and the experts run per device under
+shard_map: with tensor parallelism each device holds every expert's slice of F (its gate/up
+columns and down rows) and sums a partial output; with expert parallelism each holds X/P whole
+experts and computes the rows routed to them (a contiguous run of the sorted rows), zero
+elsewhere; either way one all-reduce (psum) gives every device the layer's output.
 Axis names: T tokens, E hidden size, X experts, k experts per token, F an expert's intermediate
-size. Weights [X, E, 2F] and [X, F, E]: each expert's [in, out], like the projections
+size, P devices. Weights [X, E, 2F] and [X, F, E]: each expert's [in, out], like the projections
 (`packing.is_transposed`); gate and up packed as in `packing.gate_up_packing`.
 """
 
@@ -19,6 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec
+
+from jpaged import parallel
 from jpaged.config import ModelConfig
 from jpaged.models.layers import ACTIVATIONS, DOT_PRECISIONS, normal
 
@@ -45,8 +53,10 @@ class Experts(nnx.Module):
 class SparseMoE(nnx.Module):
     """x [T, E] -> the sum of each token's top-k experts' outputs, weighted by the router."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
         experts = config.experts
+        self.mesh = mesh
+        self.expert_parallel = experts.expert_parallel
         self.top_k = experts.num_experts_per_tok
         self.num_experts = experts.num_local_experts
         self.norm_topk_prob = experts.norm_topk_prob
@@ -79,13 +89,12 @@ class SparseMoE(nnx.Module):
         by_expert = jnp.argsort(flat, stable=True)                         # rows grouped
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)   # [X]
         rows = jnp.take(x, by_expert // k, axis=0)                         # [T*k, E]
-        dot = DOT_PRECISIONS[precision]
-        gate_up = jax.lax.ragged_dot(rows, self.experts.gate_up_proj[...], group_sizes,
-                                     precision=dot)                        # [T*k, 2F]
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        hidden = ACTIVATIONS[self.activation](gate) * up                   # [T*k, F]
-        out = jax.lax.ragged_dot(hidden, self.experts.down_proj[...], group_sizes,
-                                 precision=dot)                            # [T*k, E]
+        operands = (rows, self.experts.gate_up_proj[...], self.experts.down_proj[...],
+                    group_sizes)
+        if self.mesh is None:
+            out = self._grouped_mlp(*operands, precision=precision)
+        else:
+            out = self._sharded_grouped_mlp(precision)(*operands)
         out = jnp.zeros_like(out).at[by_expert].set(out)                   # token order again
         out = out.reshape(num_tokens, k, -1)                               # [T, k, E]
         scaled = (out * weights[..., None]).astype(x.dtype)
@@ -93,3 +102,40 @@ class SparseMoE(nnx.Module):
         for j in range(1, k):   # ascending expert order, as transformers adds them
             total = total + scaled[:, j]
         return total
+
+    def _grouped_mlp(self, rows, gate_up_proj, down_proj, group_sizes, *, precision: str):
+        """rows [R, E] sorted by expert, group_sizes [X'] (rows per expert, in order) -> each
+        row through its expert's gated MLP [R, E] (rows past the sizes' sum: not defined)."""
+        dot = DOT_PRECISIONS[precision]
+        gate_up = jax.lax.ragged_dot(rows, gate_up_proj, group_sizes, precision=dot)  # [R, 2F]
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        hidden = ACTIVATIONS[self.activation](gate) * up                   # [R, F]
+        return jax.lax.ragged_dot(hidden, down_proj, group_sizes, precision=dot)      # [R, E]
+
+    def _sharded_grouped_mlp(self, precision: str):
+        """`_grouped_mlp` per device on the mesh, then summed over the devices."""
+        axis = parallel.AXIS
+        if self.expert_parallel:
+            def local(rows, gate_up_proj, down_proj, group_sizes):
+                num_local = gate_up_proj.shape[0]                          # X/P experts
+                first = jax.lax.axis_index(axis) * num_local
+                ends = jnp.cumsum(group_sizes)
+                begin = jnp.where(first > 0, ends[first - 1], 0)           # first local row
+                sizes = jax.lax.dynamic_slice(group_sizes, (first,), (num_local,))
+                mine = jnp.roll(rows, -begin, axis=0)                      # local rows first
+                out = self._grouped_mlp(mine, gate_up_proj, down_proj, sizes,
+                                        precision=precision)
+                is_mine = jnp.arange(rows.shape[0]) < jnp.sum(sizes)
+                out = jnp.roll(jnp.where(is_mine[:, None], out, 0), begin, axis=0)
+                return jax.lax.psum(out, axis)
+        else:
+            def local(rows, gate_up_proj, down_proj, group_sizes):
+                out = self._grouped_mlp(rows, gate_up_proj, down_proj, group_sizes,
+                                        precision=precision)
+                return jax.lax.psum(out, axis)
+        replicated = PartitionSpec()
+        weight_specs = (parallel.expert_spec("gate_up_proj", self.expert_parallel),
+                        parallel.expert_spec("down_proj", self.expert_parallel))
+        return parallel.per_shard(local, self.mesh,
+                                  in_specs=(replicated, *weight_specs, replicated),
+                                  out_specs=replicated)

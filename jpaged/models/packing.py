@@ -215,7 +215,7 @@ EXPERT_CHECKPOINT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 
 
-def expert_packing(name: str, config) -> Packing | Stacked | None:
+def expert_packing(name: str, config, shards: int) -> Packing | Stacked | None:
     """The checkpoint tensors of a mixture of experts' parameter `name` (a Stacked for the
     experts, a Packing of one renamed part for a router whose module the checkpoint names
     otherwise), or None for any other parameter."""
@@ -232,7 +232,8 @@ def expert_packing(name: str, config) -> Packing | Stacked | None:
     if rest == "experts.down_proj":
         return Stacked(tuple(f"{prefix}.experts.{x}.{down}.weight" for x in range(num_experts)),
                        num_experts)
-    inner = gate_up_packing(config.experts.moe_intermediate_size, 1)
+    blocks = 1 if config.experts.expert_parallel else shards   # `parallel.expert_spec`
+    inner = gate_up_packing(config.experts.moe_intermediate_size, blocks)
     return Stacked(tuple(f"{prefix}.experts.{x}.{part}.weight"
                          for x in range(num_experts) for part in gate_up), num_experts, inner)
 
@@ -243,7 +244,7 @@ def packing_for(name: str, config, shards: int) -> Packing | Stacked | None:
     parameter that is not packed."""
     if config.experts is not None and ".mlp." in name and (
             name.endswith(EXPERT_PARAMETERS) or name.endswith(".mlp.gate.weight")):
-        return expert_packing(name, config)
+        return expert_packing(name, config, shards)
     module, _, kind = name.rpartition(".")
     prefix, _, layer = module.rpartition(".")
     if layer == "qkv_proj":
