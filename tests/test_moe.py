@@ -190,6 +190,13 @@ def test_dummy_weights_have_the_checkpoint_names_and_shapes(hf_checkpoints, name
     assert experts and all(float(np.std(np.asarray(dummy[n]))) > 0 for n in experts)
 
 
+def _check_tokens_and_no_leak(run: dict, path: str):
+    """A families_worker run: every block back in the pool, transformers' greedy tokens."""
+    assert run["stats"]["num_free_blocks"] == run["stats"]["num_kv_blocks"] - 1
+    for prompt, tokens in zip(families_worker.prompts(), run["tokens"]):
+        assert tokens == _hf_greedy(path, tuple(prompt), families_worker.MAX_TOKENS)
+
+
 @pytest.fixture(scope="module")
 def split_runs(hf_checkpoints) -> dict:
     """tests/moe_worker.py's report on 2 forced CPU devices (XLA's optimisations off there:
@@ -217,10 +224,7 @@ def test_split_over_two_devices_gives_transformers_tokens(hf_checkpoints, split_
     run = split_runs[name][split]
     assert run["specs"] == specs
     assert run["stats"]["num_preemptions"] > 0
-    assert run["stats"]["num_free_blocks"] == run["stats"]["num_kv_blocks"] - 1
-    for prompt, tokens in zip(families_worker.prompts(), run["tokens"]):
-        assert tokens == _hf_greedy(hf_checkpoints[name], tuple(prompt),
-                                    families_worker.MAX_TOKENS)
+    _check_tokens_and_no_leak(run, hf_checkpoints[name])
 
 
 def test_split_layer_equals_one_device(split_runs):
@@ -262,10 +266,7 @@ def test_engine_features_together_give_transformers_tokens(hf_checkpoints, name)
     run = families_worker.run(hf_checkpoints[name], 1)
     assert run["stats"]["num_preemptions"] > 0
     assert run["stats"]["prefix_cache_hit_rate"] > 0
-    assert run["stats"]["num_free_blocks"] == run["stats"]["num_kv_blocks"] - 1
-    for prompt, tokens in zip(families_worker.prompts(), run["tokens"]):
-        assert tokens == _hf_greedy(hf_checkpoints[name], tuple(prompt),
-                                    families_worker.MAX_TOKENS)
+    _check_tokens_and_no_leak(run, hf_checkpoints[name])
 
 
 def test_qwen3_moe_renormalised_every_other_layer(tmp_path):
