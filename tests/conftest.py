@@ -47,6 +47,24 @@ def release_compiled_programs():
         gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def quiet_compile_pool_around_patches(request):
+    """A test that patches (a module's function, jax itself) runs with the compile pool idle,
+    before the patch and until it is undone: an engine of an earlier test may leave programs
+    compiling in the background, and a pool thread tracing one under another test's patch
+    would both break that test's count of calls and compile the patched code into a program
+    later engines share."""
+    if "monkeypatch" not in request.fixturenames:
+        yield
+        return
+    from jpaged.engine import programs
+
+    request.getfixturevalue("monkeypatch")   # set up first, so it is undone after the wait
+    programs.wait_idle()
+    yield
+    programs.wait_idle()
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, str]:
     """{name: directory} of tiny random float32 checkpoints (plus 'llama_bf16'), built once.

@@ -68,6 +68,8 @@ class _Pool:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        self._idle = threading.Condition()
+        self._unfinished = 0   # submitted and not yet done (queued or running)
 
     def submit(self, fn, *args):
         with self._lock:
@@ -80,7 +82,14 @@ class _Pool:
                 for thread in self._threads:
                     thread.start()
                 atexit.register(self.close)
+        with self._idle:
+            self._unfinished += 1
         self._queue.put((fn, args))
+
+    def wait_idle(self):
+        """Block until every piece of work submitted so far has finished."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._unfinished == 0)
 
     def close(self):
         """Drop the queued work, let each thread finish what it is running, and join them."""
@@ -92,6 +101,7 @@ class _Pool:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
+            self._done()
         for _ in threads:
             self._queue.put(None)
         for thread in threads:
@@ -110,10 +120,25 @@ class _Pool:
             if work is None:
                 return
             fn, args = work
-            fn(*args)
+            try:
+                fn(*args)
+            finally:
+                self._done()
+
+    def _done(self):
+        with self._idle:
+            self._unfinished -= 1
+            if not self._unfinished:
+                self._idle.notify_all()
 
 
 _POOL = _Pool()
+
+
+def wait_idle():
+    """Block until the compile pool has finished everything submitted to it, by any engine
+    of the process (its programs compiled, into the engines' entries and the shared ones)."""
+    _POOL.wait_idle()
 
 
 class StoredExecutable:
