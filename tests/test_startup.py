@@ -294,6 +294,23 @@ def test_compile_threads_run_at_a_lower_priority_than_the_process():
     assert done.result(timeout=60) == min(19, base + programs.POOL_NICENESS)
 
 
+def test_wait_idle_returns_once_everything_submitted_has_run():
+    """programs.wait_idle (what tests that patch wait on) waits for work queued or running on
+    the pool, and returns at once when there is none."""
+    programs.wait_idle()
+    release, ran = threading.Event(), []
+    for index in range(3):
+        programs._POOL.submit(lambda index=index: (release.wait(), ran.append(index)))
+    waiter = threading.Thread(target=programs.wait_idle)
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and ran == []   # it cannot return while the work is held
+    release.set()
+    waiter.join(timeout=120)
+    assert not waiter.is_alive() and sorted(ran) == [0, 1, 2]
+    programs.wait_idle()
+
+
 def test_store_keys_differ_by_compiler_options_and_static_arguments(tmp_path):
     """Two jits of one function that differ only in compiler options (the step's Triton-GEMM
     and cuBLAS variants) or in a static argument never share a stored executable."""
