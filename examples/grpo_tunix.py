@@ -76,8 +76,7 @@ def main(steps: int, workdir: Path) -> None:
         cluster_config=rl_cluster_lib.ClusterConfig(
             role_to_mesh={role: mesh for role in rl_cluster_lib.Role},
             rollout_engine=functools.partial(
-                JpagedRollout, model=str(hf_dir), dtype="float32", max_num_seqs=16,
-                num_kv_blocks=64, swap_space=0),
+                JpagedRollout, max_num_seqs=16, num_kv_blocks=64, swap_space=0),
             training_config=rl_cluster_lib.RLTrainingConfig(
                 actor_optimizer=optax.adam(3e-3), eval_every_n_steps=1000, max_steps=steps),
             rollout_config=base_rollout.RolloutConfig(

@@ -122,6 +122,71 @@ def test_tunix_params_map_onto_jpaged_with_equal_logprobs(checkpoints, family):
     assert np.abs(ours - tunix_logps(model, tokens, temperature)).max() > 10 * TOLERANCE
 
 
+def _adapter(hf_dir: str):
+    """Tunix's tokenizer adapter over the checkpoint's tokenizer, as RLCluster wraps it."""
+    import transformers
+    from tunix.generate.tokenizer_adapter import TokenizerAdapter
+    return TokenizerAdapter(transformers.AutoTokenizer.from_pretrained(hf_dir))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rollout_built_from_the_actor_equals_the_checkpoint_built_one(checkpoints, family):
+    """No checkpoint: the engine's config and weights come from the Tunix actor. Its seeded
+    samples and their logprobs are those of a rollout built from a checkpoint of the same
+    network and synced with the same actor, bit for bit, and its scores are Tunix's own."""
+    from tunix.rl.rollout import base_rollout
+
+    from jpaged.integrations.tunix import JpagedRollout
+
+    hf_dir = checkpoints[family]
+    actor = tunix_model(family, hf_dir, seed=5)
+    tokenizer = _adapter(hf_dir)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        kv_cache_size=64, temperature=0.8, seed=11,
+                                        return_logprobs=True)
+    from_actor = JpagedRollout(actor, tokenizer, None, config, **LLM_OPTIONS)
+    from_checkpoint = JpagedRollout(actor, tokenizer, None, config, model=hf_dir,
+                                    **LLM_OPTIONS)
+    engine_config = from_actor.llm.engine.model_config
+    assert engine_config.architecture == FAMILIES[family][1]
+    assert engine_config.tie_word_embeddings == from_checkpoint.llm.engine.model_config \
+        .tie_word_embeddings
+    prompts = ["The quick brown fox", "Hello, world!", "ab"]
+    ours, theirs = (rollout.generate(prompts, config) for rollout in (from_actor,
+                                                                       from_checkpoint))
+    for mine, other in zip(ours.tokens, theirs.tokens):
+        np.testing.assert_array_equal(mine, other)
+    for mine, other in zip(ours.logprobs, theirs.logprobs):
+        np.testing.assert_array_equal(mine, other)
+    tokens = np.asarray(tokenizer.encode("The quick brown fox jumps"), np.int32)
+    scored = from_actor.llm.score([tokens[:1].tolist()], [tokens[1:].tolist()])[0]
+    np.testing.assert_allclose(scored, tunix_logps(actor, tokens), atol=TOLERANCE)
+
+
+def test_an_actor_jpaged_cannot_compute_is_refused_by_name(checkpoints):
+    import dataclasses
+
+    from jpaged.integrations.tunix import JpagedRollout
+    from jpaged.options import OptionError
+
+    actor = tunix_model("qwen3", checkpoints["qwen3"])
+    with pytest.raises(OptionError, match="load_format"):
+        JpagedRollout(actor, None, load_format="dummy", **LLM_OPTIONS)
+    config = tunix_weights.model_config(actor, max_model_len=64, eos_token_ids=[1])
+    assert (config.num_hidden_layers, config.rope.theta, config.torch_dtype,
+            config.eos_token_ids) == (2, 1e6, "float32", (1,))
+    actor.config = dataclasses.replace(actor.config, num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="num_experts"):
+        JpagedRollout(actor, None, **LLM_OPTIONS)
+    bf16 = tunix_model("llama3", checkpoints["llama3"])
+    state = nnx.state(bf16, nnx.Param)
+    name, var = next(iter(nnx.to_flat_state(state)))
+    var.set_value(var.get_value().astype(jnp.bfloat16))
+    nnx.update(bf16, state)
+    with pytest.raises(ValueError, match="dtype: .* mix"):
+        tunix_weights.model_config(bf16, max_model_len=64)
+
+
 def test_unmapped_parameters_are_named():
     assert tunix_weights.hf_name("layers.3.attn.o_proj.w") == (
         "model.layers.3.self_attn.o_proj.weight", "heads_out")
@@ -168,6 +233,8 @@ def recording_rollout_class():
         def __init__(self, rollout_actor, *args, **kwargs):
             self.actor = rollout_actor   # the trainer's model until the cluster is built
             super().__init__(rollout_actor, *args, **kwargs)
+            with jax.transfer_guard("allow"):
+                self.records.append(self._compare(self.actor))   # built from the actor
 
         def update_params(self, params, filter_types=None):
             super().update_params(params, filter_types)
@@ -201,7 +268,8 @@ def recording_rollout_class():
 
 
 def test_grpo_trains_with_jpaged_rollout(checkpoints):
-    """Tunix's GRPO learner, two steps, jpaged as its rollout engine."""
+    """Tunix's GRPO learner, two steps, jpaged as its rollout engine, built as RLCluster
+    builds it: from the actor, no checkpoint named."""
     import optax
     import transformers
     from tunix.rl import rl_cluster as rl_cluster_lib
@@ -219,7 +287,7 @@ def test_grpo_trains_with_jpaged_rollout(checkpoints):
         actor=actor, tokenizer=transformers.AutoTokenizer.from_pretrained(hf_dir),
         cluster_config=rl_cluster_lib.ClusterConfig(
             role_to_mesh={role: mesh for role in rl_cluster_lib.Role},
-            rollout_engine=functools.partial(rollout_cls, model=hf_dir, **LLM_OPTIONS),
+            rollout_engine=functools.partial(rollout_cls, **LLM_OPTIONS),
             training_config=rl_cluster_lib.RLTrainingConfig(
                 actor_optimizer=optax.sgd(0.5), eval_every_n_steps=100, max_steps=2),
             rollout_config=rollout_config))

@@ -1,9 +1,12 @@
 """`JpagedRollout`: jpaged as the rollout engine of Tunix's RL trainers (`RLCluster`, GRPO).
 
-Give it to Tunix as `ClusterConfig(rollout_engine=functools.partial(JpagedRollout,
-model=HF_DIR, **llm_options))`. `HF_DIR` is a Hugging Face checkpoint directory of the same
-network as the Tunix actor (its config and tokenizer build the engine); the actor's weights are
-pushed into the engine at construction and at every `sync_weights`.
+Give it to Tunix as `ClusterConfig(rollout_engine=JpagedRollout)`, or
+`functools.partial(JpagedRollout, **llm_options)` to set engine options. The engine is built
+from the actor Tunix passes: its config mapped to jpaged's (`tunix_weights.model_config`), its
+weights converted where they live, on the device (no checkpoint on disk, no host round trip).
+`model=HF_DIR` builds it from a Hugging Face checkpoint of the same network instead (checked
+against the actor field by field). Either way the actor's weights are pushed into the engine at
+construction and at every `sync_weights`.
 
 Log-probabilities are what Tunix's learner computes for the same tokens: log_softmax of
 `logits / temperature` over the whole vocabulary, with the rollout config's temperature (1 when
@@ -20,8 +23,13 @@ import numpy as np
 from flax import nnx
 from tunix.rl.rollout import base_rollout
 
-from jpaged.integrations.tunix_weights import check_configs, hf_weights
+from jpaged import parallel
+from jpaged.config import normalize_dtype
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.integrations.tunix_weights import check_configs, hf_weights, model_config
 from jpaged.llm import LLM
+from jpaged.models.weights import model_from_weights
+from jpaged.options import LOADING_OPTIONS, OptionError, check_options
 from jpaged.sampling import SamplingParams
 
 
@@ -29,23 +37,50 @@ class JpagedRollout(base_rollout.BaseRollout):
     """A Tunix rollout worker backed by a jpaged `LLM` (`self.llm`).
 
     Tunix passes rollout_actor, tokenizer (its TokenizerAdapter), mesh and rollout_config;
-    `model` and the `LLM` options come from the partial. The mesh is not used: the engine takes
-    its devices from its own options (`devices`, `tensor_parallel_size`). `max_model_len`
-    defaults to the rollout config's kv_cache_size, `logprobs_mode` to "processed_logprobs".
+    `model` (None: build from the actor) and the `LLM` options come from the partial. The mesh
+    is not used: the engine takes its devices from its own options (`devices`,
+    `tensor_parallel_size`). `max_model_len` defaults to the rollout config's kv_cache_size,
+    `logprobs_mode` to "processed_logprobs"; `dtype`, for an engine built from the actor, to
+    its parameters' dtype.
     """
 
     def __init__(self, rollout_actor: nnx.Module, tokenizer: Any, mesh=None,
-                 rollout_config: base_rollout.RolloutConfig | None = None, *, model: str,
-                 **llm_options):
+                 rollout_config: base_rollout.RolloutConfig | None = None, *,
+                 model: str | None = None, **llm_options):
         self._model = _abstract_copy(rollout_actor)
         self._tokenizer = tokenizer
         self._config = rollout_config or base_rollout.RolloutConfig()
         llm_options.setdefault("logprobs_mode", "processed_logprobs")
         llm_options.setdefault("max_model_len", self._config.kv_cache_size)
-        self.llm = LLM(model, **llm_options)
         self._is_processed = llm_options["logprobs_mode"] == "processed_logprobs"
+        if model is None:
+            self.llm = self._llm_from_actor(rollout_actor, llm_options)
+            return
+        self.llm = LLM(model, **llm_options)
         check_configs(rollout_actor, self.llm.engine.model_config)
         self.update_params(nnx.state(rollout_actor, nnx.Param))
+
+    def _llm_from_actor(self, actor: nnx.Module, options: dict) -> LLM:
+        """The engine over the actor's network and weights (see the module docstring)."""
+        options = check_options(options)   # every option named before anything is built
+        if options["load_format"] != "auto":
+            raise OptionError("load_format", "load_format applies to a checkpoint (model=); "
+                              "the rollout built from the actor takes the actor's weights")
+        eos = () if self._tokenizer is None else (self._tokenizer.eos_id(),)
+        config = model_config(actor, max_model_len=options["max_model_len"],
+                              eos_token_ids=[i for i in eos if i is not None])
+        if options["enable_expert_parallel"]:
+            raise OptionError("enable_expert_parallel", "the actor is a dense model")
+        mesh = parallel.make_mesh(options["tensor_parallel_size"], options["devices"])
+        dtype = (config.torch_dtype if options["dtype"] == "auto"
+                 else normalize_dtype(options["dtype"]))
+        weights = hf_weights(nnx.state(actor, nnx.Param),
+                             tie_word_embeddings=config.tie_word_embeddings)
+        with jax.transfer_guard_host_to_device("allow"):
+            built = model_from_weights(config, weights, dtype=dtype, mesh=mesh)
+        engine_options = {name: options[name] for name in options
+                          if name not in LOADING_OPTIONS}
+        return LLM.from_engine(LLMEngine.from_model(built, **engine_options))
 
     # ---- weights ------------------------------------------------------------------------------
     def update_params(self, params, filter_types=None) -> None:

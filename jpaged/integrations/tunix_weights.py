@@ -1,6 +1,7 @@
 """Tunix's model parameters as jpaged weights: the name and layout map for the decoder families
-both libraries hold (Tunix's `Llama3`, `Qwen2`, `Qwen3` in `tunix.models.*`), and the check that
-a Tunix model config and jpaged's `ModelConfig` describe the same network.
+both libraries hold (Tunix's `Llama3`, `Qwen2`, `Qwen3` in `tunix.models.*`), jpaged's
+`ModelConfig` of a Tunix model (`model_config`), and the check that a Tunix model config and
+jpaged's `ModelConfig` describe the same network.
 
 Tunix keeps projections as einsum weights: q/k/v `[E, H, D]` (E embed, H heads, D head dim),
 o `[H, D, E]`, MLP kernels `[in, out]`, the unembedding `[E, V]`. Hugging Face stores every
@@ -13,6 +14,9 @@ import re
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jpaged.config import ModelConfig
 
 # Tunix path pattern -> (Hugging Face name template, layout kind).
 _NAME_MAP = (
@@ -94,13 +98,55 @@ def hf_weights(state, *, tie_word_embeddings: bool) -> dict[str, jax.Array]:
     return _convert(tuple(sorted(kinds)), arrays)
 
 
-def check_configs(tunix_model, jpaged_config) -> None:
-    """ValueError naming the first field where the Tunix model and jpaged's model differ: a
-    rollout that computes another function than the trainer would make every logprob wrong."""
+def model_config(tunix_model, *, max_model_len: int, eos_token_ids=()) -> ModelConfig:
+    """jpaged's `ModelConfig` of the network a Tunix model computes: its family's architecture,
+    its sizes, the RoPE theta it really rotates with, untied or tied embeddings, and the dtype
+    of its parameters. Tunix models have no position limit: max_model_len is the engine's.
+    ValueError naming what jpaged cannot compute (a family or a field it does not hold)."""
+    family = _family(tunix_model)
+    architecture, reads_theta = FAMILIES[family]
+    tunix = tunix_model.config
+    if getattr(tunix, "num_experts", None):
+        raise ValueError(f"num_experts: the Tunix {family} model is a mixture of "
+                         f"{tunix.num_experts} experts; the rollout holds dense models only")
+    dtypes = {leaf.dtype for leaf in jax.tree_util.tree_leaves(nnx.state(tunix_model,
+                                                                          nnx.Param))}
+    if len(dtypes) != 1:
+        raise ValueError(f"dtype: the Tunix {family} model's parameters mix "
+                         f"{sorted(str(d) for d in dtypes)}; give the rollout one dtype "
+                         "(its `dtype` option)")
+    raw = {
+        "architectures": [architecture],
+        "num_hidden_layers": tunix.num_layers, "vocab_size": tunix.vocab_size,
+        "hidden_size": tunix.embed_dim, "intermediate_size": tunix.hidden_dim,
+        "num_attention_heads": tunix.num_heads, "num_key_value_heads": tunix.num_kv_heads,
+        "head_dim": tunix.head_dim, "rms_norm_eps": float(tunix.norm_eps),
+        "rope_theta": float(tunix.rope_theta) if reads_theta else TUNIX_DEFAULT_ROPE_THETA,
+        "tie_word_embeddings": _is_tied(tunix), "hidden_act": "silu",
+        "max_position_embeddings": int(max_model_len), "torch_dtype": str(dtypes.pop()),
+        "eos_token_id": list(eos_token_ids),
+    }
+    config = ModelConfig.from_dict(raw, source=f"the Tunix {family} model's config")
+    check_configs(tunix_model, config)
+    return config
+
+
+def _family(tunix_model) -> str:
     family = type(tunix_model).__name__
     if family not in FAMILIES:
         raise ValueError(f"Tunix model {family} is not supported (supported: "
                          f"{', '.join(FAMILIES)})")
+    return family
+
+
+def _is_tied(tunix) -> bool:
+    return bool(getattr(tunix, "weight_tying", getattr(tunix, "use_tied_embedding", False)))
+
+
+def check_configs(tunix_model, jpaged_config) -> None:
+    """ValueError naming the first field where the Tunix model and jpaged's model differ: a
+    rollout that computes another function than the trainer would make every logprob wrong."""
+    family = _family(tunix_model)
     architecture, reads_theta = FAMILIES[family]
     tunix = tunix_model.config
     for field, ours, theirs in _field_pairs(tunix, jpaged_config, reads_theta, architecture):
@@ -111,7 +157,6 @@ def check_configs(tunix_model, jpaged_config) -> None:
 
 def _field_pairs(tunix, config, reads_theta: bool, architecture: str):
     theta = float(tunix.rope_theta) if reads_theta else TUNIX_DEFAULT_ROPE_THETA
-    tied = getattr(tunix, "weight_tying", getattr(tunix, "use_tied_embedding", False))
     yield "architecture", config.architecture, architecture
     yield "num_hidden_layers", config.num_hidden_layers, tunix.num_layers
     yield "vocab_size", config.vocab_size, tunix.vocab_size
@@ -121,7 +166,7 @@ def _field_pairs(tunix, config, reads_theta: bool, architecture: str):
     yield "num_key_value_heads", config.num_key_value_heads, tunix.num_kv_heads
     yield "head_dim", config.head_dim, tunix.head_dim
     yield "rms_norm_eps", float(config.rms_norm_eps), float(tunix.norm_eps)
-    yield "tie_word_embeddings", config.tie_word_embeddings, bool(tied)
+    yield "tie_word_embeddings", config.tie_word_embeddings, _is_tied(tunix)
     yield "rope_theta", float(config.rope.theta), theta
     # Tunix has no rope scaling (no llama3 / linear / longrope frequencies) and rotates every dim
     yield "rope_scaling", config.rope.rope_type, "default"

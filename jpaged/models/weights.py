@@ -1,4 +1,5 @@
-"""Weights by their Hugging Face names, both ways, for in-place updates of a built model.
+"""Weights by their Hugging Face names, both ways, for in-place updates of a built model and
+for building one from weights in memory (`model_from_weights`).
 
 `new_parameters` turns a mapping {checkpoint tensor name: array} (numpy or jax, in the
 checkpoint's layout and shape) or a checkpoint directory into new values of the model's
@@ -27,8 +28,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from jpaged import parallel
 from jpaged.models import packing
 from jpaged.models.loader import checkpoint_stream, checkpoint_tensors, parameter_targets
 
@@ -84,6 +87,36 @@ def new_parameters(model, weights, current: dict[str, jax.Array]):
     return _placed(plan, tensors, {name: jax.ShapeDtypeStruct(old.shape, old.dtype,
                                                               sharding=old.sharding)
                                    for name, old in current.items()})
+
+
+def model_from_weights(config, weights, *, dtype, mesh=None):
+    """A model of `config` whose parameters are made from `weights` (a mapping {Hugging Face
+    tensor name: numpy or jax array}, checked as `new_parameters` checks it), with no checkpoint
+    on disk: jax arrays are converted where they live (or moved device to device), never
+    through the host. Parameters go to the default device, or to their shards of `mesh`."""
+    dtype = jnp.dtype(dtype)
+    parallel.check_config(config, mesh)
+    targets = parameter_targets(config, dtype, mesh)
+    home = SingleDeviceSharding(jax.devices()[0])
+    shapes = {}
+    for name, (_, var, _) in targets.params.items():
+        struct = var.get_value()
+        sharding = (home if mesh is None
+                    else parallel.param_sharding(name, struct.shape, config, mesh))
+        shapes[name] = jax.ShapeDtypeStruct(struct.shape, struct.dtype, sharding=sharding)
+    shell = _Shell(config, dtype, mesh)
+    values = dict(new_parameters(shell, weights, shapes))
+    state = nnx.from_flat_state([(path, var.replace(values[name]))
+                                 for name, (path, var, _) in targets.params.items()])
+    return nnx.merge(targets.graphdef, state)
+
+
+class _Shell:
+    """What `new_parameters` reads of a model (its config, dtype and mesh), for one not built
+    yet."""
+
+    def __init__(self, config, dtype, mesh):
+        self.config, self.dtype, self.mesh = config, dtype, mesh
 
 
 def _checked_mapping(targets, weights, config) -> list:
