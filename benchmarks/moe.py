@@ -164,7 +164,7 @@ def table(rows, bandwidth: float, matmul_flops: float) -> str:
             f"{row['ragged flops'] / row['ragged s'] / 1e12:.1f} | "
             f"{row['ragged flops'] / row['matmul s'] / 1e12:.1f} | "
             f"{row['grouped error']:.1e} / "
-            f"{row['dense loop error'] if 'dense loop error' in row else float('nan'):.1e} |")
+            f"{format(row['dense loop error'], '.1e') if 'dense loop error' in row else '-'} |")
     lines.append(f"\nceilings in this run: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul "
                  f"{matmul_flops / 1e12:.0f} TFLOP/s")
     return "\n".join(lines)
