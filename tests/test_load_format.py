@@ -47,6 +47,24 @@ def test_dummy_needs_only_config_and_is_random_fixed_and_in_dtype(config_only_di
     assert load_model(config_only_dir, load_format="dummy")[0].dtype == jnp.float32  # config's
 
 
+def test_dummy_programs_do_not_grow_with_the_number_of_layers(tmp_path):
+    """One draw program per shape and layout, shared by every layer: a deep model (an 8B has
+    32 layers, 291 tensors) compiles as few as a shallow one."""
+    from jpaged.models import loader
+
+    raw = json.loads((PRESETS_DIR / "tiny.json").read_text())
+    counts = []
+    for layers in (2, 6):
+        directory = tmp_path / str(layers)
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(dict(raw, num_hidden_layers=layers)))
+        loader._draw_program.cache_clear()
+        model, _ = load_model(directory, load_format="dummy")
+        counts.append(loader._draw_program.cache_info().misses)
+        assert len(_params(model)) > counts[-1]
+    assert counts[0] == counts[1] <= 8, counts
+
+
 def test_dummy_has_exactly_the_checkpoint_names_and_shapes(hf_checkpoints):
     directory = hf_checkpoints["qwen2"]  # biases and tied embeddings: names depend on the config
     real = _params(load_model(directory)[0])

@@ -170,7 +170,9 @@ def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> L
     each tensor is drawn by a program whose output is already sharded (jit out_shardings): every
     device draws only its shards, and a model larger than one device (a 70B in bf16) never
     exists whole on one device or on the host. (One jitted init of the whole model would do the
-    same but compiles for minutes at 80 layers; per tensor, a few shapes compile once each.)
+    same but compiles for minutes at 80 layers; per tensor, a few shapes compile once each:
+    a draw program is keyed on shapes, dtype and layout, never on a tensor's name, so every
+    layer shares its programs and their number does not grow with the depth.)
     """
     parallel.check_config(config, mesh)
     targets = _Targets(config, jnp.dtype(dtype), mesh)
@@ -185,8 +187,8 @@ def random_model(config: ModelConfig, *, dtype, mesh=None, seed=DUMMY_SEED) -> L
         sharding = (None if mesh is None
                     else parallel.param_sharding(name, var.get_value().shape, config, mesh))
         draw = _draw_program(tuple(tuple(targets.shapes[p].shape) for p in parts),
-                             jnp.dtype(var.get_value().dtype).name, kind, packed,
-                             packing.is_transposed(name), sharding)
+                             jnp.dtype(var.get_value().dtype).name, kind,
+                             packing.anonymous(packed), packing.is_transposed(name), sharding)
         keys = jnp.stack([jax.random.fold_in(root, index[p]) for p in parts])
         loaded.append((path, var.replace(draw(keys))))
     return nnx.merge(targets.graphdef, nnx.from_flat_state(loaded))

@@ -132,6 +132,17 @@ class Stacked:
         return dict(zip(self.parts, per_expert * self.num_experts))
 
 
+def anonymous(packed: "Packing | Stacked | None"):
+    """`packed` with its parts named by position: what packing does without whose tensors it
+    packs, so every layer's q/k/v (or gate/up, or experts) shares one program keyed on it."""
+    if packed is None:
+        return None
+    names = tuple(str(index) for index in range(len(packed.parts)))
+    if isinstance(packed, Stacked):
+        return dataclasses.replace(packed, parts=names, inner=anonymous(packed.inner))
+    return packed.renamed(names)
+
+
 def _concatenate(arrays):
     if all(isinstance(a, np.ndarray) for a in arrays):
         return np.concatenate(arrays, axis=0)

@@ -229,11 +229,12 @@ class _Plan:
         return name, self.program(name, current[name])(*parts)
 
     def program(self, name: str, old):
-        """The parameter's `_device_program`, found by name (a Packing is slow to hash)."""
+        """The parameter's `_device_program`, found by name (a Packing is slow to hash); every
+        layer's parameter of one layout shares one program (`packing.anonymous`)."""
         key = (name, old.dtype, old.sharding)
         if key not in self.programs:
-            self.programs[key] = _device_program(self.targets.params[name][2],
-                                                 packing.is_transposed(name), old.dtype,
+            packed = packing.anonymous(self.targets.params[name][2])
+            self.programs[key] = _device_program(packed, packing.is_transposed(name), old.dtype,
                                                  old.sharding)
         return self.programs[key]
 
