@@ -6,10 +6,15 @@ Llama checkpoint written by transformers), serve_builtin (`python -m jpaged.serv
 run` starts: ready = /health answers, first token = the README's curl with max_tokens 1) and
 serve_8b (the server on the Llama-3-8B shape with dummy weights), llm_8b (`LLM(path,
 load_format="dummy")` on that shape: the server's engine start without the HTTP server, for a
-machine without FastAPI). Prints a markdown table;
-`--out FILE` writes it with the device, date, versions and the command.
+machine without FastAPI) and checkpoint_8b (`LLM(path)` on a safetensors checkpoint of that
+shape, written once to local disk before the two starts: the checkpoint's size and the disk's
+read rate, measured on its files with their page cache dropped, are printed under the table; the
+cold start reads from disk, the warm one finds the files in the page cache). `--preset` sets the
+shape of the 8B cases. Prints a markdown table; `--out FILE` writes it with the device, date,
+versions and the command.
 
-    python benchmarks/startup.py [--cases builtin,hf,serve_builtin] [--out FILE]
+    python benchmarks/startup.py [--cases builtin,hf,serve_builtin] [--preset llama3-8b]
+        [--out FILE]
 """
 
 import argparse
@@ -32,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # `kernels` package transformers probes for at import: the repository root stands there instead.
 if sys.path and Path(sys.path[0]).resolve() == ROOT / "benchmarks":
     sys.path[0] = str(ROOT)
-CASES = ("builtin", "hf", "serve_builtin", "serve_8b", "llm_8b")
+CASES = ("builtin", "hf", "serve_builtin", "serve_8b", "llm_8b", "checkpoint_8b")
+READ_CHUNK = 64 << 20
 PROMPT = "import os\n\n\ndef "
 PROGRESS = re.compile(r"compiled (\d+)/(\d+) programs \((\d+) from the compilation cache, "
                       r"([\d.]+) s compiling")
@@ -117,6 +123,8 @@ def worker(case: str, cache_dir: str, model_dir: str, timeout: float) -> dict:
         return run_llm(model_dir, cache_dir)
     if case == "llm_8b":
         return run_llm(model_dir, cache_dir, load_format="dummy")
+    if case == "checkpoint_8b":
+        return run_llm(model_dir, cache_dir)
     if case == "serve_builtin":
         return run_server([], cache_dir, timeout)
     return run_server(["--model", model_dir, "--load-format", "dummy"], cache_dir, timeout)
@@ -138,20 +146,77 @@ def write_hf_checkpoint(directory: Path) -> str:
     return str(directory)
 
 
-def model_dir_for(case: str, scratch: Path) -> str:
+def write_checkpoint(preset: str, directory: Path) -> None:
+    """A safetensors checkpoint of the preset's shape and dtype (the dummy load's weights), one
+    file per layer plus one for the rest, with its index; drawn on the device and written one
+    file at a time, so the host holds one layer at most. Run in a process of its own."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from benchmarks.serve_bench import write_model_dir
+    from jpaged.models import checkpoint_tensors, load_model
+
+    write_model_dir(preset, directory)
+    tensors = checkpoint_tensors(load_model(directory, load_format="dummy")[0])
+    groups: dict[str, list[str]] = {}
+    for name in sorted(tensors):
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        groups.setdefault(f"layer{int(layer.group(1)):05d}" if layer else "other", []).append(name)
+    weight_map, total = {}, 0
+    for index, (group, names) in enumerate(sorted(groups.items())):
+        file = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        arrays = {name: np.asarray(tensors.pop(name)) for name in names}
+        save_file(arrays, str(directory / file))
+        total += sum(array.nbytes for array in arrays.values())
+        weight_map.update(dict.fromkeys(names, file))
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def disk_read(directory: Path) -> dict:
+    """Bytes of the directory's safetensors files and the rate they read at from the disk: each
+    file's page cache dropped first (posix_fadvise), then read through in large chunks. The
+    pages are dropped again after, so the next start reads from the disk too."""
+    files = sorted(directory.glob("*.safetensors"))
+    size, start = 0, time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            while chunk := handle.read(READ_CHUNK):
+                size += len(chunk)
+    seconds = time.perf_counter() - start
+    for path in files:
+        with open(path, "rb") as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return dict(files=len(files), gigabytes=size / 1e9, read_gb_per_s=size / 1e9 / seconds)
+
+
+def model_dir_for(case: str, scratch: Path, preset: str, timeout: float) -> str:
     if case == "hf":
         return write_hf_checkpoint(scratch / "hf_llama_2_layers")
     if case in ("serve_8b", "llm_8b"):
         sys.path.insert(0, str(ROOT))
         from benchmarks.serve_bench import write_model_dir
 
-        return str(write_model_dir("llama3-8b", scratch / "llama3_8b_dummy"))
+        return str(write_model_dir(preset, scratch / f"{preset}_dummy"))
+    if case == "checkpoint_8b":
+        directory = scratch / f"{preset}_checkpoint"
+        done = subprocess.run([sys.executable, __file__, "--write-checkpoint", preset,
+                               "--model-dir", str(directory)], capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT,
+                              env=os.environ | {"PYTHONPATH": str(ROOT)})
+        if done.returncode:
+            raise RuntimeError(f"writing the checkpoint failed:\n{done.stderr[-3000:]}")
+        return str(directory)
     return ""
 
 
-def measure(case: str, scratch: Path, timeout: float) -> list[dict]:
-    """Cold then warm runs of one case, each a fresh process sharing one new cache directory."""
-    model_dir, cache_dir = model_dir_for(case, scratch), scratch / f"cache_{case}"
+def measure(case: str, scratch: Path, timeout: float, preset: str) -> list[dict]:
+    """Cold then warm runs of one case, each a fresh process sharing one new cache directory
+    (the checkpoint case's rows also carry its `disk_read`)."""
+    model_dir = model_dir_for(case, scratch, preset, timeout)
+    cache_dir = scratch / f"cache_{case}"
+    disk = disk_read(Path(model_dir)) if case == "checkpoint_8b" else {}
     rows = []
     for start in ("cold", "warm"):
         command = [sys.executable, __file__, "--worker", case, "--cache-dir", str(cache_dir),
@@ -160,7 +225,8 @@ def measure(case: str, scratch: Path, timeout: float) -> list[dict]:
                               cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
         if done.returncode:
             raise RuntimeError(f"{case} {start} failed:\n{done.stderr[-3000:]}")
-        rows.append(dict(case=case, start=start, **json.loads(done.stdout.splitlines()[-1])))
+        rows.append(dict(case=case, start=start, disk=disk,
+                         **json.loads(done.stdout.splitlines()[-1])))
     return rows
 
 
@@ -172,6 +238,15 @@ def table(rows: list[dict]) -> str:
                      f"{row['first_token_s']:.2f} | {row['programs']} | "
                      f"{row['compiling_at_ready']} | {row['compile_s']:.1f} | "
                      f"{row['cache_hits']} |")
+    for row in rows:
+        disk = row.get("disk")
+        if disk and row["start"] == "cold":
+            lines.append(f"\n{row['case']}: {disk['gigabytes']:.3g} GB in {disk['files']} "
+                         f"safetensors files; the disk reads them at {disk['read_gb_per_s']:.3g} "
+                         "GB/s (page cache dropped); checkpoint over ready time: "
+                         + ", ".join(f"{other['start']} {disk['gigabytes'] / other['ready_s']:.3g}"
+                                     for other in rows if other["case"] == row["case"])
+                         + " GB/s")
     return "\n".join(lines) + "\n"
 
 
@@ -195,10 +270,15 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {CASES}")
     parser.add_argument("--out", default=None, help="also write the table here (markdown)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
+    parser.add_argument("--preset", default="llama3-8b", help="the shape of the 8B cases")
     parser.add_argument("--worker", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--write-checkpoint", metavar="PRESET", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.write_checkpoint:
+        write_checkpoint(args.write_checkpoint, Path(args.model_dir))
+        return 0
     if args.worker:
         print(json.dumps(worker(args.worker, args.cache_dir, args.model_dir, args.timeout)))
         return 0
@@ -209,7 +289,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="jpaged-startup-") as scratch:
         for case in cases:
-            rows += measure(case, Path(scratch), args.timeout)
+            rows += measure(case, Path(scratch), args.timeout, args.preset)
             print(table(rows[-2:]), end="", flush=True)
     text = header(argv) + table(rows)
     print(text)
