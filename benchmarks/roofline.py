@@ -73,22 +73,41 @@ def _xla_pass_seconds(num_bytes, repeats):
     return median_seconds(lambda: jax.block_until_ready(add_one(x)), repeats)
 
 
-def floor_bytes(config, *, batch: int, context_tokens: float, dtype) -> tuple[float, float]:
+def floor_bytes(config, *, batch: int, context_tokens: float, dtype,
+                experts: str = "most") -> tuple[float, float]:
     """(weight bytes, KV bytes) one decode step must read; context_tokens summed over the
-    batch."""
+    batch. A mixture of experts reads, in each sparse layer, the experts its tokens chose:
+    experts "most" counts min(X, batch x k) of them (the tokens spread over the experts, the
+    usual case), "fewest" k (every token chose the same ones: a true lower bound)."""
     itemsize = jnp.dtype(dtype).itemsize
     embedding = config.vocab_size * config.hidden_size
-    weights = config.num_parameters() - (0 if config.tie_word_embeddings else embedding)
+    weights = read_parameters(config, batch, experts) - (
+        0 if config.tie_word_embeddings else embedding)
     weight_bytes = (weights + batch * config.hidden_size) * itemsize
     return weight_bytes, context_tokens * config.kv_bytes_per_token(jnp.dtype(dtype).name)
 
 
+def read_parameters(config, batch: int, experts: str) -> int:
+    """Parameters a decode step of `batch` tokens reads (`floor_bytes`' experts)."""
+    if experts not in ("most", "fewest"):
+        raise ValueError(f"experts must be 'most' or 'fewest', got {experts!r}")
+    if config.experts is None:
+        return config.num_parameters()
+    moe = config.experts
+    chosen = (moe.num_experts_per_tok if experts == "fewest"
+              else min(moe.num_local_experts, batch * moe.num_experts_per_tok))
+    sparse = sum(config.is_sparse_layer(i) for i in range(config.num_hidden_layers))
+    per_expert = 3 * config.hidden_size * moe.moe_intermediate_size
+    return config.num_parameters(active=True) + sparse * (
+        chosen - moe.num_experts_per_tok) * per_expert
+
+
 def step_flops(config, *, batch: int, context_tokens: float) -> float:
     """Floating-point operations of one decode step: 2 per weight per sequence (every weight
-    but the embedding table), and 4 per query head x head dim per context token per layer
-    (scores and weighted values)."""
+    but the embedding table; of a mixture of experts, the experts the token chose), and 4 per
+    query head x head dim per context token per layer (scores and weighted values)."""
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-    linear = config.num_parameters() - embedding
+    linear = config.num_parameters(active=True) - embedding
     attention = 4 * context_tokens * config.num_attention_heads * config.head_dim \
         * config.num_hidden_layers
     return 2 * linear * batch + attention
@@ -179,6 +198,10 @@ def roofline(engine, config, bandwidth: float, *, flop_rate=None, batches=BATCHE
         weights, kv = floor_bytes(config, batch=batch, context_tokens=row["context_tokens"],
                                   dtype=dtype)
         row.update(weight_bytes=weights, kv_bytes=kv, floor=(weights + kv) / bandwidth)
+        if config.experts is not None:   # the lower bound too: every token chose the same k
+            fewest, _ = floor_bytes(config, batch=batch, context_tokens=row["context_tokens"],
+                                    dtype=dtype, experts="fewest")
+            row["floor_fewest"] = (fewest + kv) / bandwidth
         if flop_rate:
             row["compute_floor"] = step_flops(
                 config, batch=batch, context_tokens=row["context_tokens"]) / flop_rate
@@ -199,13 +222,15 @@ def table(rows, bandwidth: dict) -> str:
     """Markdown rows; compute columns (FLOPs time, the sequential bound, step / bound) when the
     rows carry `compute_floor`."""
     compute = all("compute_floor" in row for row in rows)
+    fewest = all("floor_fewest" in row for row in rows)   # a mixture of experts
     lines = ["copy bandwidth (read + write): " + ", ".join(
                  f"{name} {rate / 1e12:.2f} TB/s" for name, rate in bandwidth.items()),
              "", "| batch (bucket) | context / seq | step, device (ms) | host launch (ms) | "
              "weights (GB) | KV (GB) | floor (ms) | step / floor | "
+             + ("floor, the same k experts for every token (ms) | " if fewest else "")
              + ("FLOPs at the matmul rate (ms) | max(weights, FLOPs) + KV (ms) | "
                 "step / that | " if compute else "") + "tokens/s |",
-             "|---|" + "---:|" * (8 + 3 * compute)]
+             "|---|" + "---:|" * (8 + fewest + 3 * compute)]
     for row in rows:
         bound = sequential_bound(row, bandwidth["best"]) if compute else 0.0
         lines.append(
@@ -213,6 +238,7 @@ def table(rows, bandwidth: dict) -> str:
             f"{1e3 * row['seconds']:.2f} | {1e3 * row['dispatch_seconds']:.2f} | "
             f"{row['weight_bytes'] / 1e9:.2f} | {row['kv_bytes'] / 1e9:.2f} | "
             f"{1e3 * row['floor']:.2f} | {row['seconds'] / row['floor']:.2f} | "
+            + (f"{1e3 * row['floor_fewest']:.2f} | " if fewest else "")
             + (f"{1e3 * row['compute_floor']:.2f} | {1e3 * bound:.2f} | "
                f"{row['seconds'] / bound:.2f} | " if compute else "")
             + f"{row['batch'] / row['seconds']:.0f} |")

@@ -60,6 +60,9 @@ def test_roofline_table_adds_the_compute_column_only_when_measured():
     assert with_compute.splitlines()[-1].endswith("| 2.00 | 0.50 | 2.00 | 2.00 | 500 |")
     compute_bound = roofline.table([dict(row, compute_floor=0.003)], {"best": 1.5e12})
     assert compute_bound.splitlines()[-1].endswith("| 2.00 | 3.00 | 3.67 | 1.09 | 500 |")
+    moe = roofline.table([dict(row, floor_fewest=0.0012)], {"best": 1.5e12}).splitlines()
+    assert "the same k experts" in moe[-3]
+    assert moe[-1] == "| 2 (4) | 8 | 4.00 | 1.00 | 2.00 | 1.00 | 2.00 | 2.00 | 1.20 | 500 |"
 
 
 def test_time_decode_step_runs_on_an_engine_and_leaves_it_idle():
@@ -128,3 +131,23 @@ def test_a_timed_second_pass_compiles_nothing_and_counts_its_own_tokens():
                                block_size=16, num_steps=4)
     assert single["output_tokens"] == 31 and single["note"].endswith(
         "; one pass; compile 0 s subtracted")
+
+
+def test_moe_floor_reads_the_chosen_experts_and_flops_count_the_active_ones():
+    """Qwen3-30B-A3B: 48 sparse layers of 128 experts, 8 chosen, expert 3 x 2048 x 768."""
+    config = ModelConfig.preset("qwen3-30b-a3b")
+    expert = 3 * 2048 * 768
+    embedding = config.vocab_size * config.hidden_size           # untied
+    fewest = roofline.floor_bytes(config, batch=4, context_tokens=0, dtype="bfloat16",
+                                  experts="fewest")[0]
+    assert fewest == (config.num_parameters(active=True) - embedding + 4 * 2048) * 2
+    most = roofline.floor_bytes(config, batch=4, context_tokens=0, dtype="bfloat16")[0]
+    assert most - fewest == 48 * (32 - 8) * expert * 2          # 4 tokens x 8 experts
+    every = roofline.floor_bytes(config, batch=64, context_tokens=0, dtype="bfloat16")[0]
+    assert every == (config.num_parameters() - embedding + 64 * 2048) * 2
+    assert roofline.step_flops(config, batch=2, context_tokens=0) == \
+        2 * 2 * (config.num_parameters(active=True) - embedding)
+    dense = ModelConfig.preset("tiny")
+    assert roofline.floor_bytes(dense, batch=3, context_tokens=0, dtype="float32",
+                                experts="fewest") == roofline.floor_bytes(
+        dense, batch=3, context_tokens=0, dtype="float32")
