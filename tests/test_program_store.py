@@ -193,8 +193,10 @@ def test_an_injected_failure_of_every_stored_program_is_recovered(tmp_path, monk
 
 def test_the_store_keeps_no_executable_that_jax_cache_supplied(tmp_path, reference):
     """jpaged leaves JAX's persistent cache off; a process that turned it on itself keeps it,
-    and programs that came from it are not stored."""
+    and programs that came from it are not stored, even after another library cleared every
+    JAX event listener (Tunix's metrics logger does when it closes)."""
     new_process_engine(tmp_path / "store")
+    jax.monitoring.clear_event_listeners()
     assert jax.config.jax_compilation_cache_dir is None
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax-cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

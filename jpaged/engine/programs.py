@@ -48,9 +48,30 @@ POOL_NICENESS = 10
 RECOVERABLE_BYTES = 256 * 2**20
 
 
+_PROBE = "/jpaged/programs/listener_probe"
+_LISTENING = threading.Lock()
+
+
 def _count_cache_hit(event: str, **kwargs):
     if event == "/jax/compilation_cache/cache_hits":
         _COMPILING.hits = getattr(_COMPILING, "hits", 0) + 1
+    elif event == _PROBE:
+        _COMPILING.heard = True
+
+
+def _listen_for_cache_hits():
+    """Make sure `_count_cache_hit` hears JAX's events: another library may clear every JAX
+    listener of the process (Tunix's metrics logger does when it closes), after which cache
+    hits would go uncounted and the store would keep programs JAX's cache supplied. A probe
+    event, heard in this thread or not, says whether the listener is still there."""
+    _COMPILING.heard = False
+    jax.monitoring.record_event(_PROBE)
+    if _COMPILING.heard:
+        return
+    with _LISTENING:
+        jax.monitoring.record_event(_PROBE)   # another thread may have registered it since
+        if not _COMPILING.heard:
+            jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 jax.monitoring.register_event_listener(_count_cache_hit)
@@ -292,6 +313,7 @@ class Programs:
                 shared = _SHARED[signature] = Future()
         if not is_owner:
             return shared.result()
+        _listen_for_cache_hits()
         hits, start = getattr(_COMPILING, "hits", 0), time.perf_counter()
         try:
             compiled, is_stored = self._lowered_or_stored(program, specs, static)
