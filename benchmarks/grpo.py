@@ -196,13 +196,22 @@ def run(engine: str, args, tokenizer) -> dict:
                 step_s=list(np.diff(starts)), gaps=recorder.gaps, rewards=recorder.rewards)
 
 
+def _after_first(result: dict) -> list:
+    """The run's rollouts after the first (which compiles), or the first alone."""
+    return result["rollouts"][1:] or result["rollouts"]
+
+
+def _rollout_seconds(result: dict) -> float:
+    return float(np.mean([seconds for _, seconds, _ in _after_first(result)]))
+
+
 def summary(results: list[dict]) -> str:
     lines = ["| rollout | steps | seconds / step (after the first) | rollout s / step | "
              "rollout tokens/s | logprob gap, worst mean / max | reward, first -> last |",
              "|---|---:|---:|---:|---:|---|---|"]
     for r in results:
-        later = r["rollouts"][1:] or r["rollouts"]
-        rollout_s = float(np.mean([s for _, s, _ in later]))
+        later = _after_first(r)
+        rollout_s = _rollout_seconds(r)
         rate = sum(t for _, _, t in later) / sum(s for _, s, _ in later)
         step = float(np.mean(r["step_s"][1:] or r["step_s"] or [r["total_s"]]))
         gap_mean = max((g[0] for g in r["gaps"]), default=float("nan"))
@@ -212,8 +221,7 @@ def summary(results: list[dict]) -> str:
                      f"{rate:,.0f} | {gap_mean:.1e} / {gap_max:.1e} | "
                      f"{rewards[0]:+.3f} -> {rewards[-1]:+.3f} |")
     if len(results) == 2:
-        a, b = ([float(np.mean([s for _, s, _ in r["rollouts"][1:] or r["rollouts"]]))
-                 for r in results])
+        a, b = (_rollout_seconds(r) for r in results)
         lines.append(f"\nrollout seconds per step, {results[1]['engine']} / "
                      f"{results[0]['engine']}: {b / a:.2f}x")
     return "\n".join(lines) + "\n"
