@@ -120,6 +120,69 @@ class Constraint:
         return len(tokens), False
 
 
+class LoopMatchers:
+    """The matchers of a decode loop's constrained rows, advanced by the loop itself, so a
+    constrained request keeps the device loop (and the rows beside it keep their K tokens per
+    launch): after each iteration the loop hands the host the tokens it sampled (a host
+    callback, `advance`), each live constrained row's matcher takes its token, and the loop gets
+    back the masks of its next iteration and the rows whose constraint is now complete, which it
+    retires as it retires a row that sampled a stop id.
+
+    The matchers are copies (`Constraint.fork`) of the sequences' own, taken when a loop is
+    launched (`start`); the sequences' own take the same tokens when the host processes the
+    loop's results, as after a single step, and end the sequence at the same token. One object
+    per engine, a static argument of its constrained loops (their executables call it). `start`
+    runs only while no loop is in flight; `advance` only from the loops, one call at a time."""
+
+    def __init__(self):
+        self._matchers: dict[int, Constraint] = {}   # sequence slot -> its loop's matcher
+        self._masks: dict[int, np.ndarray] = {}      # sequence slot -> its matcher's mask now
+        self._num_words = 0
+
+    def start(self, slots: list[int], constraints: list[Constraint]) -> np.ndarray:
+        """Copy the matchers of the constrained rows of a loop about to launch (slots: their
+        sequences' block-manager rows); [R, ceil(V / 32)] int32: their first iteration's masks."""
+        forks = [constraint.fork() for constraint in constraints]
+        masks = allowed_masks(forks)
+        self._matchers = dict(zip(slots, forks))
+        self._masks = dict(zip(slots, masks))
+        self._num_words = forks[0].num_words
+        return masks
+
+    def advance(self, seq_ids: np.ndarray, sampled: np.ndarray, tokens: np.ndarray):
+        """One loop iteration's host side. seq_ids: [B] int32 the loop's rows still running
+        (-1: padding or finished); sampled: [B] bool, the rows that sampled this iteration;
+        tokens: [B] int32 what they sampled. Returns ([B, A] int32 the masks of the next
+        iteration, all ones for unconstrained rows; [B] int32, 1 where the token completed the
+        row's constraint). A token the mask should have forbidden also retires the row: the
+        sequence's own matcher then rejects it and its request fails with the reason."""
+        masks = np.full((len(seq_ids), self._num_words), -1, np.int32)
+        complete = np.zeros(len(seq_ids), np.int32)
+        stale = []
+        for row, (slot, has_sampled, token) in enumerate(zip(seq_ids.tolist(), sampled.tolist(),
+                                                             tokens.tolist())):
+            matcher = self._matchers.get(slot)
+            if matcher is None:
+                continue
+            if has_sampled:
+                try:
+                    _, is_complete = matcher.consume([token])
+                except ValueError:
+                    is_complete = True
+                if is_complete:
+                    complete[row] = 1
+                    del self._matchers[slot], self._masks[slot]
+                    continue
+                stale.append((row, slot))
+            else:
+                masks[row] = self._masks[slot]
+        if stale:
+            fresh = allowed_masks([self._matchers[slot] for _, slot in stale])
+            for (row, slot), mask in zip(stale, fresh):
+                masks[row] = self._masks[slot] = mask
+        return masks, complete
+
+
 _executor = None
 _executor_lock = threading.Lock()
 

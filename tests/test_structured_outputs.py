@@ -2,6 +2,7 @@
 model's byte tokenizer: token t is byte t), the mask in the sampler, and whole requests through
 the engine, whose outputs must parse, validate and end when the constraint is complete."""
 
+import collections
 import json
 import re
 
@@ -14,7 +15,8 @@ import tokenizers
 from jpaged import LLM, SamplingParams
 from jpaged.engine.builder import default_model_dir
 from jpaged.sampling import SamplingRow, SamplingTensors, sample
-from jpaged.structured_outputs import (ConstraintCompiler, StructuredOutputsParams as Structured)
+from jpaged.structured_outputs import (ConstraintCompiler, LoopMatchers,
+                                       StructuredOutputsParams as Structured)
 
 VOCAB = 257   # the built-in model: 256 bytes and <|endoftext|> (256, EOS)
 SCHEMA = {"type": "object",
@@ -90,6 +92,31 @@ def test_each_constraint_compiles_once_and_requests_get_independent_copies(compi
     first.consume([ord("4")])
     assert len(allowed_ids(second.allowed())) == 10   # untouched by the first's token
     assert first.fork().consume([ord("2")]) == (1, True)
+
+
+def test_loop_matchers_advance_rows_and_retire_them_when_complete(compiler):
+    """The host side of a decode loop's constrained rows: slot 7 is constrained, slot 3 is not;
+    each call takes the tokens of the rows that sampled and returns the next masks."""
+    constraint = compiler.constraint(Structured(choice=["yes", "no"]))
+    matchers = LoopMatchers()
+    first = matchers.start([7], [constraint])
+    assert allowed_ids(first[0]) == [ord("n"), ord("y")]
+    seq_ids, tokens = np.array([3, 7, -1], np.int32), np.array([65, ord("n"), 0], np.int32)
+    masks, complete = matchers.advance(seq_ids, np.array([True, True, False]), tokens)
+    assert (masks[[0, 2]] == -1).all() and allowed_ids(masks[1]) == [ord("o")]
+    assert complete.tolist() == [0, 0, 0]
+    assert constraint.allowed().tolist() == first[0].tolist()   # the sequence's own: untouched
+    # An iteration that did not run (the loop stopped) hands back the same mask.
+    masks, _ = matchers.advance(seq_ids, np.array([False, False, False]), tokens)
+    assert allowed_ids(masks[1]) == [ord("o")]
+    masks, complete = matchers.advance(seq_ids, np.array([True, True, False]),
+                                       np.array([66, ord("o"), 0], np.int32))
+    assert complete.tolist() == [0, 1, 0]
+    # A token the mask forbade retires the row too (the sequence's own matcher then fails it).
+    matchers.start([5], [compiler.constraint(Structured(choice=["yes"]))])
+    _, complete = matchers.advance(np.array([5], np.int32), np.array([True]),
+                                   np.array([ord("n")], np.int32))
+    assert complete.tolist() == [1]
 
 
 # ---------------------------------------------------------------------------- the sampler
@@ -168,6 +195,61 @@ def test_unconstrained_requests_get_the_same_tokens_beside_constrained_ones(llm)
         temperature=0, max_tokens=60, structured_outputs=Structured(json=SCHEMA))])
     assert mixed[0][0].token_ids == alone.token_ids
     assert mixed[0][0].finish_reason == "length"
+
+
+def _counting(monkeypatch, executor) -> collections.Counter:
+    """Calls of the executor's single steps and decode loops, counted as they happen."""
+    calls = collections.Counter()
+    for name in ("run_rows", "launch_decode", "continue_decode"):
+        def counted(*args, _method=getattr(executor, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _method(*args, **kwargs)
+        monkeypatch.setattr(executor, name, counted)
+    return calls
+
+
+def _with_logprobs(completion) -> tuple[list[int], list[float]]:
+    return completion.token_ids, [entry[token] for entry, token in
+                                  zip(completion.logprobs, completion.token_ids)]
+
+
+@pytest.mark.gpu_suite
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constrained_rows_keep_the_decode_loop(llm, monkeypatch, async_scheduling):
+    """Constrained rows decode inside device loops (their matchers advanced by the loop, a row
+    retired the iteration its constraint completes) with the unconstrained rows beside them:
+    after the one prefill step no batch steps one token at a time, and every output, token
+    for token and logprob for logprob, is the one an engine that steps constrained batches one
+    token at a time writes."""
+    prompts = ["def f(", "import os\n", "x = ", "class A:", "go "]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=80, logprobs=1,
+                             structured_outputs=Structured(json=SCHEMA)) for seed in range(3)]
+    params += [SamplingParams(temperature=0.9, seed=8, max_tokens=60, ignore_eos=True,
+                              logprobs=1),
+               SamplingParams(temperature=0, max_tokens=20, logprobs=1,
+                              structured_outputs=Structured(choice=["left", "right"]))]
+    stepping = LLM(None, block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
+                   max_model_len=256, num_scheduler_steps=4)
+    stepping.engine.scheduler.loops_take_constraints = False
+    expected = _generate(stepping, prompts, params)
+    looping = llm if not async_scheduling else LLM(
+        None, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+        num_scheduler_steps=4, async_scheduling=True)
+    calls = _counting(monkeypatch, looping.engine.executor)
+    outputs = _generate(looping, prompts, params)
+    assert calls["run_rows"] == 1   # the prefill step
+    # The longest output: 60 tokens, the first from the prefill step, the rest 4 a loop.
+    assert calls["launch_decode"] + calls["continue_decode"] >= -(-59 // 4)
+    assert (calls["continue_decode"] > 0) == async_scheduling
+    for out, want in zip(outputs, expected):
+        tokens, logprobs = _with_logprobs(out[0])
+        want_tokens, want_logprobs = _with_logprobs(want[0])
+        assert tokens == want_tokens and out[0].finish_reason == want[0].finish_reason
+        np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-6)
+    for out in outputs[:3]:
+        jsonschema.validate(json.loads(out[0].text), SCHEMA)
+        assert out[0].finish_reason == "stop"
+    assert outputs[4][0].text in ("left", "right") and outputs[4][0].finish_reason == "stop"
 
 
 def test_max_tokens_before_the_end_is_length(llm):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from jpaged import kv_cache
 from jpaged.blocks import allocator
@@ -260,7 +261,7 @@ def fresh_result(max_steps: int, batch: int, num_logprobs: int) -> np.ndarray:
 
 def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, control, *, layout,
                      model_def, max_steps, max_model_len, num_logprobs, sampler, backend,
-                     interpret, logprobs_mode="raw_logprobs"):
+                     interpret, logprobs_mode="raw_logprobs", matchers=None):
     """Up to inputs.num_steps decode iterations for the whole batch in one device loop. The
     inputs are `continue_inputs` of packed (`pack(DecodeInputs)`'s buffer), the packed result of
     the loop that ran them (`fresh_result` for a loop the host just sent) and control, so a
@@ -272,7 +273,16 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
     block when a row crosses a block boundary; a shared last block is replaced by the
     already-copied one, see `missed_copies`), runs
     the model, samples, and retires rows that produced a stop id or used up their `remaining`
-    tokens or max_model_len: their blocks are freed inside the loop. Iterations stop counting
+    tokens or max_model_len: their blocks are freed inside the loop.
+
+    matchers (static): a `structured_outputs.LoopMatchers` when rows are constrained by a
+    structured output, else None. Then each iteration samples under the masks in its carry
+    (the inputs' for the first) and ends with a host callback: the matchers take the tokens
+    sampled and return the next iteration's masks and the rows their constraint completed,
+    which are retired like rows that sampled a stop id. The last masks go back with the packed
+    inputs, so a chained loop starts from them. The callback makes the device wait for the
+    host once per iteration (on the H200 a 64-row mask of a JSON schema took 2 ms against a
+    7 ms 8B step), only in loops with constrained rows. Iterations stop counting
     when inputs.num_steps are done, every row has finished, or the pool cannot serve the next
     iteration (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is
     exactly (append live rows, free rows done at i), which `HostBlockMirror` repeats.
@@ -297,7 +307,7 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
         return jnp.where(active, inputs.seq_ids, -1)
 
     def body(step, carry):
-        manager, cache, tokens, active, outputs, done_at, num_done, missed = carry
+        manager, cache, tokens, active, outputs, done_at, num_done, missed, allowed = carry
         runs = ((step < wanted) & jnp.any(active)
                 & allocator.can_append(manager, live_ids(active), ones))  # monotone: a prefix runs
         live = active & runs
@@ -316,31 +326,39 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
         # launch's first iteration can meet a shared partial block; any other is counted.
         missed = missed + jnp.sum(live & (appended.copies[:, 1] >= 0) & ~(fresh & (step == 0)))
         hidden, cache = model(tokens, jnp.maximum(context_lens - 1, 0), cache, metadata)
-        sampling = dataclasses.replace(inputs.sampling,
+        sampling = dataclasses.replace(inputs.sampling, allowed=allowed,
                                        positions=inputs.sampling.positions + step)
         out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs,
                      mode=sampler, logprobs_mode=logprobs_mode)
         is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
+        if matchers is not None:
+            allowed, is_complete = io_callback(
+                matchers.advance, (jax.ShapeDtypeStruct(allowed.shape, jnp.int32),
+                                   jax.ShapeDtypeStruct((batch,), jnp.int32)),
+                live_ids(active), live, out.token_ids, ordered=False)
+            is_stop = is_stop | (is_complete != 0)
         finished = live & (is_stop | (step + 1 >= inputs.remaining)
                            | (context_lens + 1 >= max_model_len))
         manager = allocator.free_seqs(manager, jnp.where(finished, inputs.seq_ids, -1))
         outputs = tuple(buffer.at[step].set(value) for buffer, value in zip(
             outputs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
         return (manager, cache, jnp.where(live, out.token_ids, tokens), active & ~finished,
-                outputs, jnp.where(finished, step, done_at), num_done + runs, missed)
+                outputs, jnp.where(finished, step, done_at), num_done + runs, missed, allowed)
 
     outputs = (jnp.zeros((max_steps, batch), jnp.int32), jnp.zeros((max_steps, batch)),
                jnp.zeros((max_steps, batch, num_logprobs), jnp.int32),
                jnp.zeros((max_steps, batch, num_logprobs)))
     carry = (manager, cache, inputs.token_ids, inputs.seq_ids >= 0, outputs,
-             jnp.full(batch, -1, jnp.int32), jnp.int32(0), jnp.int32(0))
-    manager, cache, _, active, outputs, done_at, num_done, missed = jax.lax.fori_loop(
+             jnp.full(batch, -1, jnp.int32), jnp.int32(0), jnp.int32(0), inputs.sampling.allowed)
+    manager, cache, _, active, outputs, done_at, num_done, missed, allowed = jax.lax.fori_loop(
         0, max_steps, body, carry)
     out_of_blocks = ((num_done < wanted) & jnp.any(active)
                      & ~allocator.can_append(manager, live_ids(active), ones))
     result = DecodeResult(*outputs, done_at=done_at, num_done=num_done,
                           out_of_blocks=out_of_blocks.astype(jnp.int32),
                           missed_copies=missed)
+    inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(inputs.sampling,
+                                                                      allowed=allowed))
     return manager, cache, pack_traced(result), pack_traced(inputs)
 
 
@@ -373,7 +391,7 @@ _STEP_PROGRAMS = _programs(step_impl, (
     "num_scored_logprobs"))
 _DECODE_LOOPS = _programs(decode_loop_impl, (
     "layout", "model_def", "max_steps", "max_model_len", "num_logprobs", "sampler", "backend",
-    "interpret", "logprobs_mode"))
+    "interpret", "logprobs_mode", "matchers"))
 
 
 def step_program(num_tokens: int):

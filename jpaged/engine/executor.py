@@ -36,7 +36,7 @@ from jpaged.engine.programs import Programs
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
 from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow
-from jpaged.structured_outputs import allowed_masks
+from jpaged.structured_outputs import LoopMatchers, allowed_masks
 
 
 class StepFailed(Exception):
@@ -62,7 +62,7 @@ class LaunchedLoop:
     packed results (a `DecodeResult` laid out by `result_layout`)."""
     packed: jax.Array
     layout: tuple
-    batch: tuple        # (rows, stop-id width, logit-bias width) buckets
+    batch: tuple        # (rows, stop-id width, logit-bias width, mask width) buckets
     result: jax.Array
     result_layout: tuple
     static: dict
@@ -115,6 +115,10 @@ class Executor:
                                      dispatch=self.dispatch)
                            if self.num_swap_blocks else None)
         self.swap_rates = None            # measured by measure_swap_rates
+        # Constrained rows loop with their matchers on the host (`LoopMatchers`); under tensor
+        # parallelism they step one token at a time instead (a host callback in a program
+        # over several devices would run once per device).
+        self.loop_matchers = LoopMatchers() if self.mesh is None else None
         self._fresh: dict = {}            # shape -> (fresh_result, control) on the device
         self._controls: dict = {}         # (batch, rows, num_steps) -> all-kept control vector
         self.num_padded_tokens = 0
@@ -266,30 +270,43 @@ class Executor:
                          for row, first, (begin, end) in scored_rows]
 
     def launch_decode(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
-                      max_steps: int, max_model_len: int, num_logprobs: int) -> "LaunchedLoop":
+                      max_steps: int, max_model_len: int, num_logprobs: int,
+                      constraints=None) -> "LaunchedLoop":
         """Dispatch a decode loop (see `decode_loop_impl`) without waiting for it.
 
         rows: [(seq_id, last_token)], one sampled row each, in order; remaining: [int];
-        stop_ids: [[int]] per row.
+        stop_ids: [[int]] per row; constraints: [structured output `Constraint` or None] per
+        row, or None (only with `loop_matchers`: no loop is in flight).
         """
         with self._unchanged_on_failure():
             return self._launch(*self.decode_inputs(rows, sampling_rows, remaining, stop_ids,
                                                     num_steps, max_steps, max_model_len,
-                                                    num_logprobs), len(rows))
+                                                    num_logprobs, constraints), len(rows))
 
     def decode_inputs(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
-                      max_steps: int, max_model_len: int, num_logprobs: int) -> tuple:
+                      max_steps: int, max_model_len: int, num_logprobs: int,
+                      constraints=None) -> tuple:
         """A fresh loop's device inputs, as `_launch` and `loop_call` take them (but num_rows)."""
+        constrained = [i for i, constraint in enumerate(constraints or ())
+                       if constraint is not None]
+        if constrained:
+            masks = self.loop_matchers.start([rows[i][0] for i in constrained],
+                                             [constraints[i] for i in constrained])
+            sampling_rows = list(sampling_rows)
+            for i, mask in zip(constrained, masks):
+                sampling_rows[i] = sampling_rows[i]._replace(allowed=mask)
         inputs, size, width = batch_arrays.loop_arrays(rows, sampling_rows, remaining, stop_ids,
                                                 num_steps, max_num_seqs=self.max_num_seqs)
         static = dict(max_steps=max_steps, max_model_len=max_model_len,
                       num_logprobs=MAX_LOGPROBS if num_logprobs else 0,
                       sampler=batch_arrays.loop_sampler(sampling_rows, num_logprobs),
-                      logprobs_mode=self.logprobs_mode)
+                      logprobs_mode=self.logprobs_mode,
+                      matchers=self.loop_matchers if constrained else None)
         packed, layout = pack(inputs)
         fresh = self._fresh_result_and_control(size, static)
         return (self._put(packed), *fresh, layout,
-                (size, width, inputs.sampling.bias_ids.shape[1]), static)
+                (size, width, inputs.sampling.bias_ids.shape[1],
+                 inputs.sampling.allowed.shape[1]), static)
 
     def continue_decode(self, previous: "LaunchedLoop", keep, num_steps: int) -> "LaunchedLoop":
         """Dispatch the next loop straight from the previous one's device results (its last

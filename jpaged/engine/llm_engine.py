@@ -59,7 +59,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             preemption_mode=config.preemption_mode,
             num_scheduler_steps=config.num_scheduler_steps,
-            sliding_window=model.config.window_of_every_layer)
+            sliding_window=model.config.window_of_every_layer,
+            loops_take_constraints=self.executor.loop_matchers is not None)
         self.pipeline = DecodePipeline(self.executor, self.ledger, depth=config.async_depth,
                                        max_model_len=config.max_model_len)
         self.warmup_seconds = 0.0

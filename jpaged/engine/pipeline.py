@@ -126,7 +126,8 @@ class DecodePipeline:
             [row.request.params.max_tokens - len(row.seq.output_token_ids) for row in rows],
             [row.request.stop_ids for row in rows],
             num_steps, num_steps, self.max_model_len,
-            max(row.request.params.logprobs or 0 for row in rows))
+            max(row.request.params.logprobs or 0 for row in rows),
+            [row.seq.constraint for row in rows])
         self.loops.append(InFlight(rows, launched, [True] * len(rows), True, [True] * len(rows)))
 
     def advance(self, chain: int):

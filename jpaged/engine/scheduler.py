@@ -76,7 +76,8 @@ class Scheduler:
 
     def __init__(self, ledger: BlockLedger, *, max_num_seqs: int, max_num_batched_tokens: int,
                  watermark: float = 0.01, preemption_mode: str = "recompute",
-                 num_scheduler_steps: int = 1, sliding_window: int | None = None):
+                 num_scheduler_steps: int = 1, sliding_window: int | None = None,
+                 loops_take_constraints: bool = True):
         assert preemption_mode in PREEMPTION_MODES, preemption_mode  # checked by the options
         self.ledger = ledger
         self.max_num_seqs = max_num_seqs
@@ -84,6 +85,9 @@ class Scheduler:
         self.watermark_blocks = int(watermark * ledger.num_blocks)
         self.preemption_mode = preemption_mode
         self.num_scheduler_steps = num_scheduler_steps
+        # Can a decode loop carry structured-output rows (their matchers advanced by the loop,
+        # `LoopMatchers`)? If not, a batch holding one steps one token at a time.
+        self.loops_take_constraints = loops_take_constraints
         self.sliding_window = sliding_window   # every layer's: older blocks go back to the pool
         self._scored_left = SCORED_POSITIONS_PER_STEP   # this step's scored prompt positions
         self.swap_policy = None
@@ -230,11 +234,9 @@ class Scheduler:
                 break
             rows += new_rows
             budget -= sum(row.num_tokens for row in new_rows)
-        # A structured output's next mask needs its last token on the host: its batch steps
-        # one token at a time.
         is_loop = bool(rows) and not self.has_queued and all(
             row.num_tokens == 1 and row.sample_indices == (row.seq.index,)
-            and row.seq.constraint is None for row in rows)
+            and (row.seq.constraint is None or self.loops_take_constraints) for row in rows)
         if is_loop:
             # Room for every iteration, made before iteration 0's append is planned: the
             # device applies the evictions first and then appends inside the loop, so the
