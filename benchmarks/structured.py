@@ -1,7 +1,9 @@
 """Structured outputs on one GPU: decode throughput of a batch with 0%, 25% and 100% of its rows
-constrained by a JSON schema, against the unconstrained batch at K = 8 and at K = 1 (a batch
-holding a constrained row steps one token at a time), and what a constraint costs on the host
-(compiling it, a step's token masks), for two schemas (SCHEMAS).
+constrained by a JSON schema, against the unconstrained batch at K = 8 and at K = 1, and what a
+constraint costs on the host (compiling it, a step's token masks), for two schemas (SCHEMAS).
+Each constrained batch runs twice: its constrained rows inside the K-step decode loop (their
+matchers advanced by the loop, the engine's way) and with the batch stepping one token at a
+time whenever it holds a constrained row (the way before constrained rows could loop).
 
 The model is a preset (llama3-8b by default) with random weights; its tokenizer is a byte-level
 BPE of the preset's vocabulary size trained on the Python standard library's source
@@ -11,7 +13,9 @@ generate --max-tokens tokens: unconstrained rows ignore EOS and generate all of 
 constrained rows follow a schema (an object holding an array of exactly 32 items, so they run
 long) and end when it is complete. Each batch runs twice through one engine and the second
 pass is timed (the first compiled what it needs). Reported per batch: generated tokens,
-seconds, tokens/s, and the ratio to the unconstrained batch.
+seconds, tokens/s, the ratio to the unconstrained batch, and the unconstrained rows' own rate
+(their tokens over the time the last of them finished) against that of the unconstrained
+batch: what constrained rows beside them cost them.
 
 Usage: python benchmarks/structured.py --model llama3-8b --out-dir results/
 """
@@ -79,16 +83,21 @@ def run_batch(engine, prompts, params_list, tag) -> dict:
     before = engine.num_generated_tokens
     compile_before = engine.executor.compile_seconds
     start = time.perf_counter()
-    texts, finish = {}, {}
+    texts, finish, ended, counts = {}, {}, {}, {}
     while engine.has_unfinished():
         for output in engine.step():
             if output.finished:
                 texts[output.request_id] = output.outputs[0].text
                 finish[output.request_id] = output.outputs[0].finish_reason
+                ended[output.request_id] = time.perf_counter() - start
+                counts[output.request_id] = len(output.outputs[0].token_ids)
     wall = time.perf_counter() - start
+    plain = [i for i, params in enumerate(params_list) if params.structured_outputs is None]
+    plain_rate = (sum(counts[f"{tag}-{i}"] for i in plain)
+                  / max(ended[f"{tag}-{i}"] for i in plain)) if plain else None
     return dict(tokens=engine.num_generated_tokens - before, wall=wall,
                 compile=engine.executor.compile_seconds - compile_before, texts=texts,
-                finish=finish)
+                finish=finish, plain_rate=plain_rate)
 
 
 def host_costs(tokenizer, vocab_size: int, eos_ids, schema: dict, rows: int) -> dict:
@@ -125,13 +134,16 @@ def build_engine(model, tokenizer, args, num_steps: int):
         enable_prefix_caching=False, warmup=False)
 
 
-def timed_row(engine, prompts, params, name, count) -> dict:
-    """The batch twice through engine; the second pass's numbers."""
+def timed_row(engine, prompts, params, name, count, *, constrained_loop: bool = True) -> dict:
+    """The batch twice through engine; the second pass's numbers. constrained_loop: whether
+    constrained rows decode inside the loop (else their batch steps one token at a time)."""
+    engine.scheduler.loops_take_constraints = constrained_loop
     run_batch(engine, prompts, params, f"warm-{name}")
     result = run_batch(engine, prompts, params, f"timed-{name}")
+    engine.scheduler.loops_take_constraints = True
     valid = sum(_is_valid(result["texts"][f"timed-{name}-{i}"]) for i in range(count))
     row = dict(name=name, constrained=count, valid=valid, tokens=result["tokens"],
-               wall=result["wall"], compile=result["compile"])
+               wall=result["wall"], compile=result["compile"], plain_rate=result["plain_rate"])
     print(json.dumps(row), flush=True)
     return row
 
@@ -179,19 +191,26 @@ def main(argv=None):
         for fraction in map(float, args.fractions.split(",")):
             count = round(fraction * args.batch)
             params = [constrained] * count + [plain] * (args.batch - count)
-            rows.append(timed_row(engine, prompts, params, f"{schema_name}, {fraction:.0%}",
-                                  count))
+            for is_loop, how in ((True, "in the loop"), (False, "single steps")):
+                rows.append(timed_row(engine, prompts, params,
+                                      f"{schema_name}, {fraction:.0%}, {how}", count,
+                                      constrained_loop=is_loop))
     base = rows[0]["tokens"] / rows[0]["wall"]
+    k = args.num_scheduler_steps
     lines = [f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; model "
              f"{args.model} (random bf16 weights), batch {args.batch}, max_tokens "
-             f"{args.max_tokens}, engine K={args.num_scheduler_steps}",
+             f"{args.max_tokens}, engine K={k}",
              "", "| batch | constrained rows | valid JSON | tokens | seconds | tokens/s | "
-             "vs none at K=8 |", "|---|---|---|---|---|---|---|"]
+             f"vs none at K={k} | unconstrained rows' tokens/s, vs none at K={k} |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         rate = row["tokens"] / row["wall"]
+        plain_rate = row["plain_rate"]
+        plain_cell = ("-" if plain_rate is None
+                      else f"{plain_rate:,.0f}, {plain_rate / rows[0]['plain_rate']:.2f}x")
         lines.append(f"| {row['name']} | {row['constrained']} | {row['valid']} / "
                      f"{row['constrained']} | {row['tokens']} | {row['wall']:.2f} | "
-                     f"{rate:,.0f} | {rate / base:.2f}x |")
+                     f"{rate:,.0f} | {rate / base:.2f}x | {plain_cell} |")
     lines.append("")
     for name, cost in costs.items():
         lines.append(f"host, {name}: llguidance tokenizer build {cost['tokenizer']:.2f} s; "
