@@ -35,8 +35,9 @@ test: $(VENV)/.installed-dev
 # Only the files that hold such tests are collected: a GPU machine need not have the server's
 # packages (fastapi) that other test files import. Workers share the GPU, each allocating as it
 # needs (not JAX's default 75% up front): compiling the kernels is the suite's cost, and it runs
-# on the host's cores. Four on a card of 120 GB or more; three on smaller ones (on an 80 GB
-# card four ran out of memory in the Mosaic GPU prefill tests, which pass alone).
+# on the host's cores. Four on a card of 120 GB or more; three on smaller ones. Tests marked
+# with an xdist_group run on one worker, one after another (references too large to share
+# the card: tests/test_prefill_mgpu.py).
 # GPU_PYTEST_ARGS adds pytest options (e.g. -v).
 GPU_PYTHON ?= python3
 GPU_TEST_FILES = $(shell grep -lE 'mark\.gpu' tests/test_*.py)
@@ -48,7 +49,7 @@ test-gpu:
 	@$(GPU_PYTHON) -c "import jax, sys; sys.exit(None if jax.default_backend() == 'gpu' else \
 		'make test-gpu: JAX sees no GPU here (backend: ' + jax.default_backend() + ')')"
 	XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PYTHON) -m pytest -m "gpu or gpu_suite" \
-		-o addopts="" -q -rfEs -p no:cacheprovider -n $(GPU_WORKERS) --dist load \
+		-o addopts="" -q -rfEs -p no:cacheprovider -n $(GPU_WORKERS) --dist loadgroup \
 		--durations=15 $(GPU_PYTEST_ARGS) $(GPU_TEST_FILES)
 
 bench-alloc: $(VENV)/.installed-dev

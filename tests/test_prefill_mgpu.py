@@ -170,9 +170,15 @@ def test_lowers_for_cuda(heads, head_dim, block_size, options):
 
 
 # --- compiled on a Hopper GPU only: realistic shapes ---------------------------------------
+# Their jnp reference materializes every query's whole context (10 GiB and more): one worker
+# runs them all (`make test-gpu` distributes by group), so no two of them share the card at
+# once; an 80 GB card ran out of memory with them spread over the workers.
+one_worker = pytest.mark.xdist_group("large_reference")
+
 
 @pytest.mark.gpu
 @needs_gpu
+@one_worker
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("block_kv,num_stages", [(64, 2), (128, 2), (128, 3), (64, 4)])
 def test_llama_chunks_with_prefix_and_decodes(block_size, block_kv, num_stages):
@@ -191,6 +197,7 @@ def test_llama_chunks_with_prefix_and_decodes(block_size, block_kv, num_stages):
 
 @pytest.mark.gpu
 @needs_gpu
+@one_worker
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,sliding_window,cap", [
     (16, 8, 256, BF16, 700, 50.0), (32, 32, 64, F16, None, None), (32, 4, 128, BF16, 333, None),
     (12, 4, 64, BF16, None, 30.0), (64, 1, 128, F16, None, None), (16, 16, 256, BF16, None, None),
@@ -211,6 +218,7 @@ def test_heads_windows_and_caps(num_heads, num_kv_heads, head_dim, dtype, slidin
 
 @pytest.mark.gpu
 @needs_gpu
+@one_worker
 @pytest.mark.parametrize("block_q", [None, 16, 32])
 def test_long_prompt_equals_triton_kernel(block_q):
     """One 4096-token prompt (Llama heads, bf16): the Mosaic GPU kernel agrees with the dense
