@@ -41,6 +41,21 @@ def _greedy(llm):
     return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].text for o in outputs]
 
 
+def _constrained(llm) -> dict:
+    """A regex-constrained request (sampled, seeded) beside a greedy one, and whether the
+    engine's decode loops take constrained rows."""
+    from jpaged import SamplingParams, StructuredOutputsParams
+
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs=
+                             StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6})?")),
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    outputs = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params, use_tqdm=False)
+    return dict(tokens=[o.outputs[0].token_ids for o in outputs],
+                text=outputs[0].outputs[0].text,
+                finish_reason=outputs[0].outputs[0].finish_reason,
+                loops=llm.engine.scheduler.loops_take_constraints)
+
+
 def _spec(array) -> list:
     """The partition spec as a list ([] for replicated or a single device)."""
     spec = getattr(array.sharding, "spec", ())
@@ -144,7 +159,8 @@ def run_tp(checkpoint: str) -> dict:
         if size <= jax.device_count():
             llm = LLM(checkpoint, tensor_parallel_size=size, **ENGINE_OPTIONS)
             tokens, texts = _greedy(llm)
-            report[size] = dict(tokens=tokens, texts=texts, **_describe(llm))
+            report[size] = dict(tokens=tokens, texts=texts, constrained=_constrained(llm),
+                                **_describe(llm))
     report["dp"] = run_dp(checkpoint, max(1, jax.device_count() // 2))
     report["dummy_same_on_mesh"] = _dummy_same_on_mesh(jax.device_count())
     return report

@@ -10,6 +10,7 @@ and 2 kv heads (each kv head on four devices), which every axis split over 8 dev
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -66,6 +67,15 @@ def test_greedy_tokens_identical_at_tp_1_2_4(report):
     assert report["1"]["tokens"] and all(len(t) == 10 for t in report["1"]["tokens"])
     assert report["2"]["tokens"] == report["1"]["tokens"]
     assert report["4"]["tokens"] == report["1"]["tokens"]
+
+
+def test_constrained_rows_loop_and_match_at_tp_1_2_4(report):
+    """Under tensor parallelism too, a structured output's rows decode in the loop (one host
+    callback per iteration, not one per device) and write what they write on one device."""
+    one = report["1"]["constrained"]
+    assert re.fullmatch("[a-z]{2,6}( [a-z]{2,6})?", one["text"]) and one["finish_reason"] == "stop"
+    for size in ("2", "4"):
+        assert report[size]["constrained"] == one
 
 
 def test_weights_split_megatron_style(report):

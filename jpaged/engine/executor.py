@@ -115,10 +115,11 @@ class Executor:
                                      dispatch=self.dispatch)
                            if self.num_swap_blocks else None)
         self.swap_rates = None            # measured by measure_swap_rates
-        # Constrained rows loop with their matchers on the host (`LoopMatchers`); under tensor
-        # parallelism they step one token at a time instead (a host callback in a program
-        # over several devices would run once per device).
-        self.loop_matchers = LoopMatchers() if self.mesh is None else None
+        # Constrained rows loop with their matchers on the host (`LoopMatchers`), on one device
+        # or a mesh of this process's devices (the callback runs once, its results replicated).
+        # Over several processes they step one token at a time: each process would need the
+        # callback's answer, and JAX runs it in one.
+        self.loop_matchers = LoopMatchers() if jax.process_count() == 1 else None
         self._fresh: dict = {}            # shape -> (fresh_result, control) on the device
         self._controls: dict = {}         # (batch, rows, num_steps) -> all-kept control vector
         self.num_padded_tokens = 0
