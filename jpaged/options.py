@@ -15,7 +15,8 @@ from typing import Any
 
 from jpaged.config import DTYPE_BYTES, normalize_dtype
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu",
+                      "batch_invariant")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # What CompletionOutput.logprobs report (vLLM's names; jpaged.sampling.sample applies them).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -154,7 +155,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("seed", int, 0, "seed for requests that give none", non_negative_int),
     Option("attention_backend", str, "auto", "auto: the Pallas kernels on GPU/TPU, the jnp "
            "reference on CPU; pallas_mosaic_gpu: pallas_gpu with the Hopper (Mosaic GPU) prefill "
-           "kernel; the Pallas backends run in interpret mode on a CPU",
+           "kernel; the Pallas backends run in interpret mode on a CPU; batch_invariant: the "
+           "batch_invariant mode's attention (auto picks it in that mode, and only there)",
            choices=ATTENTION_BACKENDS, is_decided_at_start=True),
     Option("kv_cache_dtype", str, "auto", "KV-cache dtype (auto: the weight dtype)", dtype_name,
            is_decided_at_start=True),
@@ -164,6 +166,12 @@ OPTIONS: tuple[Option, ...] = (
            "enough to change greedy tokens; fewer bf16 passes on a TPU); auto: highest for a "
            "float32 model, default for a bfloat16/float16 one",
            choices=MATMUL_PRECISIONS, is_decided_at_start=True),
+    Option("batch_invariant", bool, False, "bitwise-reproducible numbers: a request's logits, "
+           "logprobs and seeded tokens do not change with what else is batched, how its prompt "
+           "is chunked, prefix-cache hits, preemption or num_scheduler_steps, and equal "
+           "jpaged.models.sequence_logprobs (the training forward); every row-wise op runs in "
+           "fixed tiles of rows and attention in one key order (slower; not for "
+           "mixture-of-experts models)", boolean),
     Option("num_scheduler_steps", int, 1, "decode steps run on the device per scheduler step "
            "(multi-step decoding); a waiting request joins at once", positive_int),
     Option("async_scheduling", bool, False, "start the next decode loop while the host processes "
@@ -223,6 +231,13 @@ def check_option(name: str, value, *, is_resolved: bool = False):
 def check_combinations(values: Mapping[str, Any]):
     """Rules between options; an option `values` lacks takes no part."""
     mode = values.get("preemption_mode")
+    backend = values.get("attention_backend", "auto")
+    if values.get("batch_invariant") and backend not in ("auto", "batch_invariant"):
+        raise OptionError("attention_backend", f"batch_invariant=True runs its own attention: "
+                          f"attention_backend must be 'auto', not {backend!r}")
+    if backend == "batch_invariant" and not values.get("batch_invariant", False):
+        raise OptionError("attention_backend", "attention_backend='batch_invariant' is the "
+                          "batch_invariant mode's: set batch_invariant=True instead")
     if values.get("strict_compilation") and values.get("warmup") is False:
         raise OptionError("strict_compilation", "strict_compilation=True needs warmup=True "
                                                 "(nothing is compiled yet)")
@@ -281,6 +296,7 @@ class EngineConfig:
     preemption_mode: str = _default("preemption_mode")
     swap_space: float = _default("swap_space")
     logprobs_mode: str = _default("logprobs_mode")
+    batch_invariant: bool = _default("batch_invariant")
     tensor_parallel_size: int = _default("tensor_parallel_size")
 
     def __post_init__(self):

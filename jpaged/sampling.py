@@ -453,12 +453,22 @@ def with_logit_bias(logits: jax.Array, tensors: SamplingTensors) -> jax.Array:
 
 def _with_logprobs(logits: jax.Array, token_ids: jax.Array, num_logprobs: int) -> SamplerOutput:
     """The chosen tokens with their logprobs and the top L under log_softmax(logits)."""
-    # logprob = logit - logsumexp(logits): no [B, V] log_softmax is materialised.
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)                       # [B]
-    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_normalizer
     top_logits, top_ids = _top_logits(logits, num_logprobs)                  # [B, L]
-    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids,
-                         top_logprobs=top_logits - log_normalizer[:, None])
+    return SamplerOutput(token_ids=token_ids,
+                         logprobs=token_logprobs(logits, token_ids, log_normalizer),
+                         top_ids=top_ids, top_logprobs=top_logits - log_normalizer[:, None])
+
+
+def token_logprobs(logits: jax.Array, token_ids: jax.Array,
+                   log_normalizer: jax.Array | None = None) -> jax.Array:
+    """[B] log_softmax(logits)[b, token_ids[b]] for logits [B, V] float32, as the sampler reports
+    a chosen token's (the training forward, `jpaged.models.forward`, computes it so too).
+    log_normalizer: [B] logsumexp of the rows, when the caller has it."""
+    # logprob = logit - logsumexp(logits): no [B, V] log_softmax is materialised.
+    if log_normalizer is None:
+        log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_normalizer
 
 
 def _sample_processed(logits, tensors, is_greedy, greedy_ids, num_logprobs, mode):

@@ -10,7 +10,8 @@ S x D tile of a block is contiguous); physical block 0 is a reserved sink that k
 decode and cache writes are the Triton ones);
 mapping "auto" to one of these is the engine's job, with `unsupported_reason` saying which
 backends can run a model. `interpret=True` runs a Pallas kernel in the interpreter (CPU tests);
-the reference ignores it. Both take `sliding_window` and `logits_soft_cap` (semantics in
+the reference ignores it. "batch_invariant" is the plain-jnp attention whose every reduction has a
+shape fixed by the mode, never by the batch (`pallas_kernels.batch_invariant`). Both take `sliding_window` and `logits_soft_cap` (semantics in
 `pallas_kernels.reference`'s docstring; None: off), and `precision`, the `jax.lax.Precision` of
 their dots on float32 inputs (None: HIGHEST, full float32; a GPU's DEFAULT would be TF32); dots
 on 16-bit inputs are the same whatever it says.
@@ -18,7 +19,7 @@ on 16-bit inputs are the same whatever it says.
 
 import jax.numpy as jnp
 
-from pallas_kernels import _compat, _validate, reference
+from pallas_kernels import _compat, _validate, batch_invariant, reference
 from pallas_kernels.gpu.decode import paged_attention_decode as paged_attention_decode_gpu
 from pallas_kernels.gpu.prefill import paged_attention_prefill as paged_attention_prefill_gpu
 from pallas_kernels.gpu import prefill_mgpu
@@ -30,19 +31,22 @@ from pallas_kernels.reference import check_page_layout, dense_causal_attention
 from pallas_kernels.tpu.decode import paged_attention_decode as paged_attention_decode_tpu
 from pallas_kernels.tpu.prefill import paged_attention_prefill as paged_attention_prefill_tpu
 
-BACKENDS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
+BACKENDS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu", "batch_invariant")
+PLAIN_JNP_BACKENDS = ("reference", "batch_invariant")   # no kernel options, no Pallas
 GPU_BACKENDS = ("pallas_gpu", "pallas_mosaic_gpu")  # share the Triton decode and cache writes
 
-_DECODE = {"pallas_gpu": paged_attention_decode_gpu,
+_DECODE = {"batch_invariant": batch_invariant.paged_attention_decode,
+           "pallas_gpu": paged_attention_decode_gpu,
            "pallas_mosaic_gpu": paged_attention_decode_gpu,
            "pallas_tpu": paged_attention_decode_tpu}
-_PREFILL = {"pallas_gpu": paged_attention_prefill_gpu,
+_PREFILL = {"batch_invariant": batch_invariant.paged_attention_prefill,
+            "pallas_gpu": paged_attention_prefill_gpu,
             "pallas_mosaic_gpu": paged_attention_prefill_mosaic_gpu,
             "pallas_tpu": paged_attention_prefill_tpu}
 
 __all__ = ["BACKENDS", "GPU_BACKENDS", "check_page_layout", "dense_causal_attention",
            "paged_attention_decode",
-           "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
+           "batch_invariant", "paged_attention_decode_gpu", "paged_attention_decode_tpu", "paged_attention_prefill",
            "paged_attention_prefill_gpu", "paged_attention_prefill_mosaic_gpu",
            "paged_attention_prefill_tpu", "reference",
            "rotate_and_write", "rotate_and_write_gpu", "unsupported_reason", "write_to_pages",
@@ -52,8 +56,8 @@ __all__ = ["BACKENDS", "GPU_BACKENDS", "check_page_layout", "dense_causal_attent
 def _check_backend(backend, kernel_options):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference" and kernel_options:
-        raise ValueError(f"kernel options {sorted(kernel_options)} do not apply to the reference")
+    if backend in PLAIN_JNP_BACKENDS and kernel_options:
+        raise ValueError(f"kernel options {sorted(kernel_options)} do not apply to {backend!r}")
 
 
 def unsupported_reason(backend, *, head_dim, dtype=None, kv_cache_dtype=None, block_size=None,
@@ -62,12 +66,12 @@ def unsupported_reason(backend, *, head_dim, dtype=None, kv_cache_dtype=None, bl
 
     The reasons are the messages the kernels' own argument checks raise. dtype: the queries' (the
     model's compute dtype); kv_cache_dtype: the pages' (None: the same); block_size: tokens per
-    KV block; None skips a check. The reference runs anything valid.
+    KV block; None skips a check. The plain-jnp backends run anything valid.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     problems = [_validate.options_problem(sliding_window, logits_soft_cap)]
-    if backend != "reference":
+    if backend not in PLAIN_JNP_BACKENDS:
         problems.append(_validate.head_dim_problem(head_dim))
         if dtype is not None:
             problems.append(_validate.dtype_problem("dtype", dtype))
@@ -102,6 +106,8 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     if backend == "reference":
         return reference.paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens,
                                                 **options)
+    if backend == "batch_invariant":
+        return _DECODE[backend](q, k_pages, v_pages, block_tables, context_lens, **options)
     return _DECODE[backend](q, k_pages, v_pages, block_tables, context_lens, **options,
                             interpret=interpret, **kernel_options)
 
@@ -123,6 +129,9 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
     if backend == "reference":
         return reference.paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens,
                                                  query_start_loc, **options)
+    if backend == "batch_invariant":
+        return _PREFILL[backend](q, k_pages, v_pages, block_tables, context_lens,
+                                 query_start_loc, **options)
     return _PREFILL[backend](q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                              **options, interpret=interpret, **kernel_options)
 

@@ -14,7 +14,7 @@ from jpaged.config import normalize_dtype
 from jpaged.engine import compile_cache
 from jpaged.logprobs import SCORED_POSITIONS_PER_STEP
 from jpaged.models.attention import unsupported_reason
-from jpaged.models.llama import with_matmul_precision
+from jpaged.models.llama import check_batch_invariant, with_matmul_precision
 from jpaged.models.loader import load_model, load_tokenizer
 from jpaged.options import LOADING_OPTIONS, EngineConfig, OptionError, check_option, check_options
 
@@ -156,9 +156,16 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
                 else normalize_dtype(settings["kv_cache_dtype"]))
     matmul_precision = (model.matmul_precision if settings["matmul_precision"] == "auto"
                         else settings["matmul_precision"])
-    backend, interpret = choose_attention_backend(
-        settings["attention_backend"], model_config, dtype=model.dtype, kv_dtype=kv_dtype,
-        block_size=block_size)
+    if settings["batch_invariant"]:
+        try:
+            check_batch_invariant(model_config, True)
+        except ValueError as error:
+            raise OptionError("batch_invariant", str(error)) from None
+        backend, interpret = "batch_invariant", False
+    else:
+        backend, interpret = choose_attention_backend(
+            settings["attention_backend"], model_config, dtype=model.dtype, kv_dtype=kv_dtype,
+            block_size=block_size)
     num_kv_blocks = settings["num_kv_blocks"] or size_kv_pool(
         model_config, block_size=block_size, kv_dtype=kv_dtype, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
@@ -178,16 +185,16 @@ def decide_engine_config(model, settings: dict) -> EngineConfig:
                                else settings["compilation_cache_dir"]),
         enable_prefix_caching=settings["enable_prefix_caching"],
         preemption_mode=preemption_mode, swap_space=settings["swap_space"],
-        logprobs_mode=settings["logprobs_mode"],
+        logprobs_mode=settings["logprobs_mode"], batch_invariant=settings["batch_invariant"],
         tensor_parallel_size=tensor_parallel_size)
 
 
 def engine_model(model, config: EngineConfig):
-    """The model as an engine of `config` runs it: at config.matmul_precision (a copy sharing the
-    parameters when the model's own precision differs; the caller's model stays as it was). The
-    precision is part of the model's graph, hence of every program's key: two precisions never
-    share a compiled or stored program."""
-    return with_matmul_precision(model, config.matmul_precision)
+    """The model as an engine of `config` runs it: at config.matmul_precision, batch-invariant or
+    not (a copy sharing the parameters when the model's own settings differ; the caller's model
+    stays as it was). Both are part of the model's graph, hence of every program's key: two
+    settings never share a compiled or stored program."""
+    return with_matmul_precision(model, config.matmul_precision, config.batch_invariant)
 
 
 def activation_reserve_bytes(model_config, max_num_batched_tokens, max_num_seqs) -> int:

@@ -24,6 +24,7 @@ from jax.experimental import io_callback
 from jpaged import kv_cache
 from jpaged.blocks import allocator
 from jpaged.logprobs import PositionRows, given_token_logprobs
+from jpaged.models import row_tiles
 from jpaged.models.attention import AttentionMetadata
 from jpaged.sampling import SamplingTensors, sample
 
@@ -221,13 +222,14 @@ def step_impl(param_leaves, manager, cache, packed, *, layout, model_def, is_dec
         query_start_loc=query_start_loc, is_decode=is_decode,
         backend=backend, interpret=interpret)
     hidden, cache = model(inputs.token_ids, positions, cache, metadata)
+    rows = row_tiles.runner(model.batch_invariant)
     logits = model.compute_logits(hidden[inputs.logits_indices])
-    out = sample(logits, inputs.sampling, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode)
+    out = rows(functools.partial(sample, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode),
+               logits, inputs.sampling)
     scored = None
     if inputs.scored is not None:
-        scored = given_token_logprobs(
-            model.compute_logits(hidden[inputs.scored.token_indices]), inputs.scored,
-            num_logprobs=num_scored_logprobs)
+        scored = rows(functools.partial(given_token_logprobs, num_logprobs=num_scored_logprobs),
+                      model.compute_logits(hidden[inputs.scored.token_indices]), inputs.scored)
     return manager, cache, out, appended.ok, scored
 
 
@@ -329,8 +331,10 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
         hidden, cache = model(tokens, jnp.maximum(context_lens - 1, 0), cache, metadata)
         sampling = dataclasses.replace(inputs.sampling, allowed=allowed,
                                        positions=inputs.sampling.positions + step)
-        out = sample(model.compute_logits(hidden), sampling, num_logprobs=num_logprobs,
-                     mode=sampler, logprobs_mode=logprobs_mode)
+        out = row_tiles.runner(model.batch_invariant)(
+            functools.partial(sample, num_logprobs=num_logprobs, mode=sampler,
+                              logprobs_mode=logprobs_mode),
+            model.compute_logits(hidden), sampling)
         is_stop = jnp.any(out.token_ids[:, None] == inputs.stop_ids, axis=1)
         if matchers is not None:
             allowed, is_complete = io_callback(

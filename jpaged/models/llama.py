@@ -21,7 +21,7 @@ from flax import nnx
 from jpaged import kv_cache as kv
 from jpaged import parallel
 from jpaged.config import ModelConfig
-from jpaged.models import packing
+from jpaged.models import packing, row_tiles
 from jpaged.models.attention import AttentionMetadata, paged_attention
 from jpaged.models.layers import (DOT_PRECISIONS, Embedding, GatedMLP, Linear, LMHead, Rotary,
                                   check_matmul_precision, default_matmul_precision, rms_norm)
@@ -75,19 +75,21 @@ class LlamaAttention(nnx.Module):
         return heads(0, local_q), heads(local_q, local_kv), heads(local_q + local_kv, local_kv)
 
     def __call__(self, x, cos, sin, cache: kv.KVCache, metadata: AttentionMetadata,
-                 precision: str):
+                 precision: str, rows=row_tiles.whole):
         """x [T, E], cos/sin [T, D] -> ([T, E], cache with this step's K/V written);
-        precision: of the projections and attention's dots (a `DOT_PRECISIONS` name)."""
+        precision: of the projections and attention's dots (a `DOT_PRECISIONS` name);
+        rows: how the projections run over the tokens (`row_tiles.runner`)."""
         num_tokens = x.shape[0]
+        qkv = rows(lambda h: self.packed_heads(h, precision), x)
         q, cache = kv.rotate_and_write_layer(                                  # q [T, H, D]
-            cache, self.layer_index, self.packed_heads(x, precision), cos, sin,
+            cache, self.layer_index, qkv, cos, sin,
             metadata.slot_mapping, backend=metadata.backend, interpret=metadata.interpret,
             mesh=self.mesh)
         out = paged_attention(q, cache.k_pages[self.layer_index], cache.v_pages[self.layer_index],
                               metadata, scale=self.scale, mesh=self.mesh,
                               sliding_window=self.sliding_window,
                               logits_soft_cap=self.logits_soft_cap, precision=precision)
-        return self.o_proj(out.reshape(num_tokens, -1), precision), cache
+        return rows(lambda o: self.o_proj(o, precision), out.reshape(num_tokens, -1)), cache
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -100,11 +102,11 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = rms_norm(config.hidden_size, config, dtype)
         self.mlp = _mlp(config, layer_index, dtype, rngs, mesh)
 
-    def __call__(self, x, cos, sin, cache, metadata, precision):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata,
-                                         precision)
+    def __call__(self, x, cos, sin, cache, metadata, precision, rows=row_tiles.whole):
+        attn_out, cache = self.self_attn(rows(self.input_layernorm, x), cos, sin, cache,
+                                         metadata, precision, rows)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x), precision), cache
+        return x + rows(lambda h: self.mlp(self.post_attention_layernorm(h), precision), x), cache
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -120,12 +122,13 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = _mlp(config, layer_index, dtype, rngs, mesh)
         self.post_feedforward_layernorm = rms_norm(config.hidden_size, config, dtype)
 
-    def __call__(self, x, cos, sin, cache, metadata, precision):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata,
-                                         precision)
-        x = x + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(x), precision)
-        return x + self.post_feedforward_layernorm(mlp_out), cache
+    def __call__(self, x, cos, sin, cache, metadata, precision, rows=row_tiles.whole):
+        attn_out, cache = self.self_attn(rows(self.input_layernorm, x), cos, sin, cache,
+                                         metadata, precision, rows)
+        x = x + rows(self.post_attention_layernorm, attn_out)
+        mlp_out = rows(lambda h: self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(h), precision)), x)
+        return x + mlp_out, cache
 
 
 def _mlp(config: ModelConfig, layer_index: int, dtype, rngs, mesh) -> GatedMLP | SparseMoE:
@@ -165,21 +168,22 @@ class LlamaModel(nnx.Module):
         """The first layer's inverse frequencies [D/2] (tools/train_tiny.py's dense rotation)."""
         return self.rotaries[self.rotary_of_layer[0]].inv_frequencies
 
-    def __call__(self, token_ids, positions, cache, metadata, precision):
+    def __call__(self, token_ids, positions, cache, metadata, precision, rows=row_tiles.whole):
+        """rows: how row-wise parts run over the tokens (`row_tiles.runner`)."""
         x = self.embed_tokens(token_ids)                                # [T, E]
         if self.embedding_scale is not None:
             x = x * jnp.asarray(self.embedding_scale, x.dtype)
         tables = [rotary.cos_sin(positions) for rotary in self.rotaries]   # each [T, D] x 2
         for layer, rotary in zip(self.layers, self.rotary_of_layer):
-            x, cache = layer(x, *tables[rotary], cache, metadata, precision)
-        return self.norm(x), cache
+            x, cache = layer(x, *tables[rotary], cache, metadata, precision, rows)
+        return rows(self.norm, x), cache
 
 
 class LlamaForCausalLM(nnx.Module):
     """A Llama-family causal LM whose attention reads and writes the paged KV cache."""
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh=None,
-                 matmul_precision: str | None = None):
+                 matmul_precision: str | None = None, batch_invariant: bool = False):
         """Random init (normal, std 0.02; norms the identity); `dtype` is the parameter dtype.
 
         mesh: the tensor-parallel mesh the parameters are (to be) sharded over (see
@@ -187,12 +191,15 @@ class LlamaForCausalLM(nnx.Module):
         matmul_precision: "highest", "high" or "default" (`layers.DOT_PRECISIONS`); None:
         "highest" for float32 parameters, else "default". A static attribute: it is part of the
         model's graph, so programs of two precisions are never one program.
+        batch_invariant: run every row-wise part (projections, norms, MLP, logits) in fixed tiles
+        of rows (`row_tiles`), so a token's numbers never depend on the batch; also static.
         """
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.matmul_precision = check_matmul_precision(
             default_matmul_precision(self.dtype) if matmul_precision is None
             else matmul_precision)
+        self.batch_invariant = check_batch_invariant(config, batch_invariant)
         self.mesh = mesh
         self.final_logit_softcapping = config.final_logit_softcapping
         self.model = LlamaModel(config, dtype=self.dtype, rngs=rngs, mesh=mesh)
@@ -207,11 +214,15 @@ class LlamaForCausalLM(nnx.Module):
         these tokens into kv_cache, then attends through it.
         Returns (hidden [T, E] in the parameter dtype, after the final norm; the new KVCache).
         """
-        return self.model(token_ids, positions, kv_cache, metadata, self.matmul_precision)
+        return self.model(token_ids, positions, kv_cache, metadata, self.matmul_precision,
+                          row_tiles.runner(self.batch_invariant))
 
     def compute_logits(self, hidden):
         """hidden [..., E] -> logits [..., V] in float32 (accumulated in float32), soft-capped
         by c * tanh(logits / c) when the model caps them (Gemma 2)."""
+        return row_tiles.map_flat_rows(self._logits, hidden, self.batch_invariant)
+
+    def _logits(self, hidden):
         weight = (self.model.embed_tokens.weight if self.lm_head is None
                   else self.lm_head.weight)[...]                          # [V, E]
         logits = jnp.einsum("...e,ve->...v", hidden, weight, preferred_element_type=jnp.float32,
@@ -220,12 +231,27 @@ class LlamaForCausalLM(nnx.Module):
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
-def with_matmul_precision(model: LlamaForCausalLM, matmul_precision: str) -> LlamaForCausalLM:
-    """`model` computing at `matmul_precision`: the model itself when it already does, else a copy
-    that shares its parameter arrays (the caller's model is left as it was)."""
+def with_matmul_precision(model: LlamaForCausalLM, matmul_precision: str,
+                          batch_invariant: bool | None = None) -> LlamaForCausalLM:
+    """`model` computing at `matmul_precision` (and in the batch-invariant mode or not; None: as
+    it does): the model itself when it already does, else a copy that shares its parameter
+    arrays (the caller's model is left as it was)."""
     check_matmul_precision(matmul_precision)
-    if model.matmul_precision == matmul_precision:
+    batch_invariant = model.batch_invariant if batch_invariant is None else batch_invariant
+    if (model.matmul_precision, model.batch_invariant) == (matmul_precision, batch_invariant):
         return model
     copy = nnx.merge(*nnx.split(model))
     copy.matmul_precision = matmul_precision
+    copy.batch_invariant = check_batch_invariant(model.config, batch_invariant)
     return copy
+
+
+def check_batch_invariant(config: ModelConfig, batch_invariant) -> bool:
+    """batch_invariant, checked: a bool, and off for a mixture of experts (its grouped expert
+    matmuls group the batch's tokens by expert, so a token's numbers follow its neighbours')."""
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+    if batch_invariant and config.experts is not None:
+        raise ValueError("batch_invariant does not cover mixture-of-experts models: their "
+                         "grouped expert matmuls depend on which tokens share a batch")
+    return batch_invariant

@@ -1,0 +1,128 @@
+"""Batch-invariant paged attention: a token's output is bitwise the same whatever else is batched.
+
+A compiler picks a reduction's order from the shape it reduces, so the plain reference's
+[T, K, G, C] scores and their softmax change in the last bits with the number of tokens T and the
+block-table width (C = M * S, the batch's longest sequence); on a CPU a query's output moves by
+about 1e-7 between a prefill and a decode step. Here every reduction has a shape fixed by the
+mode, never by the batch:
+
+- query tokens go through in tiles of `TILE_ROWS` rows (`lax.map`), so no op sees T;
+- each tile walks its tokens' logical blocks in order, one block of S keys at a time, with an
+  online softmax (running max, rescaled sum and output), so no op sees M;
+- a block that holds none of a row's visible keys leaves that row's running state untouched
+  (selected, not added to), so the blocks past a token's context, or before its sliding window,
+  change nothing, exactly.
+
+A token's result then depends on its query, its own keys and values and its position alone: a
+row of a prefill, of a chunk, a decode row and a recomputed row agree bit for bit. Axis names and
+page layout as in `pallas_kernels.reference`; R is the tile's rows, G = H / K.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.reference import _precision, check_page_layout
+
+TILE_ROWS = 8
+
+
+def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
+                           sliding_window=None, logits_soft_cap=None, precision=None,
+                           tile_rows=TILE_ROWS):
+    """`reference.paged_attention_decode`'s contract: one query token per sequence. It runs as a
+    prefill of one-token chunks, so a decode row is computed exactly as a prefill row is."""
+    # A padding row (context 0) sees no key and comes back as zeros.
+    query_start_loc = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    return paged_attention_prefill(
+        q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, precision=precision,
+        tile_rows=tile_rows)
+
+
+def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
+                            scale=None, sliding_window=None, logits_soft_cap=None,
+                            precision=None, tile_rows=TILE_ROWS):
+    """`reference.paged_attention_prefill`'s contract (ragged chunks, a cached prefix first,
+    rows past query_start_loc[B] zeros), each token reduced in the batch-independent order
+    described in the module docstring. q: [T, H, D] -> [T, H, D] in q's dtype; softmax and
+    accumulation in float32. tile_rows: rows per tile (part of the numbers: a mode fixes it)."""
+    check_page_layout(k_pages, v_pages, head_dim=q.shape[-1])
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} not a multiple of kv heads {num_kv_heads}")
+    batch = block_tables.shape[0]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of_token = jnp.minimum(
+        jnp.searchsorted(query_start_loc[1:], token, side="right"), batch - 1).astype(jnp.int32)
+    is_real = token < query_start_loc[-1]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    positions = (context_lens[seq_of_token] - q_lens[seq_of_token]
+                 + token - query_start_loc[seq_of_token])
+    lens = jnp.where(is_real, context_lens[seq_of_token], 0)   # 0: the row sees nothing
+    attend = functools.partial(
+        _attend_tile, k_pages, v_pages,
+        scale=head_dim ** -0.5 if scale is None else scale, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, precision=_precision(q.dtype, precision))
+    rows = (q, block_tables[seq_of_token], lens, positions)
+    out = _map_tiles(attend, rows, tile_rows)
+    return out.astype(q.dtype)
+
+
+def _map_tiles(fn, rows, tile_rows):
+    """fn over `rows` (arrays with a leading T axis) in tiles of tile_rows rows: [T, ...] out.
+    The last tile is padded with copies of row 0 (real rows, so nothing in a tile is NaN)."""
+    num_rows = rows[0].shape[0]
+    num_tiles = -(-num_rows // tile_rows)
+    pad = num_tiles * tile_rows - num_rows
+    tiled = [jnp.concatenate([r, jnp.broadcast_to(r[:1], (pad, *r.shape[1:]))])
+             .reshape(num_tiles, tile_rows, *r.shape[1:]) for r in rows]
+    out = jax.lax.map(lambda tile: fn(*tile), tuple(tiled))
+    return out.reshape(num_tiles * tile_rows, *out.shape[2:])[:num_rows]
+
+
+def _attend_tile(k_pages, v_pages, q, tables, lens, positions, *, scale, sliding_window,
+                 logits_soft_cap, precision):
+    """One tile: q [R, H, D], tables [R, M] (each row's sequence's blocks), lens [R] (keys in its
+    cache, 0: none), positions [R] -> [R, H, D] float32 (zeros for a row that sees nothing)."""
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    queries = q.astype(jnp.float32).reshape(num_rows, num_kv_heads, group, head_dim)
+
+    def visit(state, block_index):
+        """Fold logical block `block_index` of every row's sequence into the running state."""
+        row_max, row_sum, acc = state                                 # [R, K, G] x 2, [R, K, G, D]
+        key_pos = block_index * block_size + jnp.arange(block_size, dtype=jnp.int32)   # [S]
+        visible = (key_pos[None] < lens[:, None]) & (key_pos[None] <= positions[:, None])
+        if sliding_window is not None:
+            visible &= key_pos[None] > positions[:, None] - sliding_window           # [R, S]
+        blocks = tables[:, block_index]                                              # [R]
+        keys = k_pages[:, blocks].astype(jnp.float32)                             # [K, R, S, D]
+        values = jnp.where(visible[None, :, :, None], v_pages[:, blocks].astype(jnp.float32), 0)
+        scores = jnp.einsum("rkgd,krsd->rkgs", queries, keys, precision=precision) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+        shown = visible[:, None, None, :]                                            # [R,1,1,S]
+        scores = jnp.where(shown, scores, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+        # The where keeps both the value and its gradient NaN-free where nothing is visible yet.
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        weights = jnp.where(shown, jnp.exp(scores - safe_max[..., None]), 0.0)
+        rescale = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, safe_max) - safe_max)
+        new_sum = rescale * row_sum + jnp.sum(weights, axis=-1)
+        new_acc = rescale[..., None] * acc + jnp.einsum("rkgs,krsd->rkgd", weights, values,
+                                                        precision=precision)
+        has_keys = jnp.any(visible, axis=-1)[:, None, None]                          # [R, 1, 1]
+        state = (jnp.where(has_keys, new_max, row_max), jnp.where(has_keys, new_sum, row_sum),
+                 jnp.where(has_keys[..., None], new_acc, acc))
+        return state, None
+
+    shape = (num_rows, num_kv_heads, group)
+    start = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros((*shape, head_dim), jnp.float32))
+    (_, row_sum, acc), _ = jax.lax.scan(visit, start, jnp.arange(tables.shape[1]))
+    out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
+    return out.reshape(num_rows, num_heads, head_dim)
