@@ -1,0 +1,226 @@
+"""The batch-invariant mode: a seeded request's tokens and logprobs are bitwise the same alone,
+batched, chunked, with a cached prefix, preempted by swap or recompute, at K = 1 and 8 and with
+asynchronous scheduling, and equal the training forward's (`jpaged.models.sequence_logprobs`);
+its attention kernel and row tiles hold the property on their own."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jpaged import LLM, SamplingParams
+from jpaged.config import ModelConfig
+from jpaged.engine.builder import decide_engine_config
+from jpaged.models import random_model, row_tiles, sequence_logits, sequence_logprobs
+from jpaged.options import OptionError, check_options
+from pallas_kernels import batch_invariant, reference
+
+PARAMS = SamplingParams(temperature=1.0, seed=7, max_tokens=24, logprobs=0, ignore_eos=True)
+BASE = dict(enable_prefix_caching=False, max_model_len=256, num_kv_blocks=128,
+            batch_invariant=True)
+
+
+def workload():
+    """The target request (100 prompt tokens) and seven others of 20 to 90."""
+    rng = np.random.default_rng(0)
+    target = rng.integers(3, 250, size=100).tolist()
+    others = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(20, 90, size=7)]
+    return target, others
+
+
+def run(dtype, *, batched=False, cached_prefix=0, **options):
+    """([(token ids, logprobs)] per request, the RequestOutputs, the engine's model) of the
+    target request alone, or (batched) of all eight at once. cached_prefix: a request sharing
+    that many of the target's prompt tokens runs first, with prefix caching on."""
+    target, others = workload()
+    llm = LLM(dtype=dtype, **{**BASE, **options})
+    if cached_prefix:
+        llm.generate(prompt_token_ids=[target[:cached_prefix] + [5, 6, 7]],
+                     sampling_params=SamplingParams(max_tokens=1), use_tqdm=False)
+    prompts = [target] + others if batched else [target]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
+    results = []
+    for output in outputs:
+        completion = output.outputs[0]
+        results.append((completion.token_ids, np.array(
+            [step[token] for step, token in zip(completion.logprobs, completion.token_ids)])))
+    executor = llm.engine.executor
+    return results, outputs, executor.model_def.merge(executor.param_leaves)
+
+
+@functools.cache
+def served(dtype, case):
+    """`run` of one of CASES (kept: several tests read the same run)."""
+    return run(dtype, **CASES[case])
+
+
+@functools.cache
+def alone(dtype):
+    """Each of the eight requests served alone (one sequence per batch), in order."""
+    results, outputs, _ = run(dtype, batched=True, max_num_seqs=1)
+    assert all(output.num_preemptions == 0 for output in outputs)
+    return results
+
+
+def assert_bitwise_equal(results, expected):
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(results, expected,
+                                                                        strict=False):
+        assert tokens == expected_tokens
+        assert np.array_equal(logprobs, expected_logprobs)
+
+
+CASES = {
+    "batched, K=8, async": dict(batched=True, num_scheduler_steps=8, async_scheduling=True),
+    "chunks of 32": dict(max_num_batched_tokens=32),
+    "batched, chunks of 64, K=8": dict(batched=True, max_num_batched_tokens=64,
+                                       num_scheduler_steps=8),
+    "48 prompt tokens cached, K=8": dict(cached_prefix=48, enable_prefix_caching=True,
+                                         num_scheduler_steps=8),
+    "preempted by swap, K=8": dict(batched=True, num_kv_blocks=14, preemption_mode="swap",
+                                   swap_space=0.01, num_scheduler_steps=8),
+    "preempted by recompute": dict(batched=True, num_kv_blocks=14,
+                                   preemption_mode="recompute"),
+}
+
+
+@pytest.mark.gpu_suite
+@pytest.mark.parametrize("case", CASES)
+def test_float32_requests_are_bitwise_the_same_however_they_are_served(case):
+    results, outputs, _ = served("float32", case)
+    assert_bitwise_equal(results, alone("float32"))
+    if "cached" in case:
+        assert outputs[0].num_cached_tokens == 48
+    if "preempted" in case:
+        assert sum(output.num_preemptions for output in outputs) > 0
+
+
+@pytest.mark.gpu_suite
+@pytest.mark.parametrize("case", ["batched, chunks of 64, K=8", "preempted by recompute"])
+def test_bfloat16_requests_are_bitwise_the_same_however_they_are_served(case):
+    results, _, _ = served("bfloat16", case)
+    assert_bitwise_equal(results, alone("bfloat16"))
+
+
+@pytest.mark.gpu_suite
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_training_forward_gives_the_engines_logprobs(dtype):
+    """sequence_logprobs over prompt + output, in a right-padded batch of three, equals what the
+    engine reported (chunked and batched)."""
+    results, _, model = served(dtype, "batched, chunks of 64, K=8")
+    (tokens, logprobs), target = results[0], workload()[0]
+    sequence = np.asarray(target + list(tokens), np.int32)
+    batch = np.full((3, len(sequence) + 5), 9, np.int32)
+    batch[1, :len(sequence)] = sequence
+    forward = jax.jit(sequence_logprobs)(model, jnp.asarray(batch))
+    assert forward.shape == (3, len(sequence) + 4)
+    assert np.array_equal(np.asarray(forward)[1, len(target) - 1:len(sequence) - 1], logprobs)
+
+
+def test_training_forward_is_differentiable():
+    *_, model = served("float32", "batched, chunks of 64, K=8")
+    sequence = jnp.asarray([workload()[0][:40]], jnp.int32)
+    grads = nnx.grad(lambda m: -sequence_logprobs(m, sequence).mean())(model)
+    leaves = jax.tree.leaves(nnx.state(grads))
+    assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in leaves)
+    assert any(bool(jnp.any(leaf != 0)) for leaf in leaves)
+
+
+def test_training_forward_of_the_default_mode_matches_the_invariant_one_closely():
+    """The same forward in the default mode (plain matmuls, the reference attention) agrees to
+    float32 rounding: the mode changes the order of sums, not the model."""
+    *_, model = run("float32")
+    plain = nnx.merge(*nnx.split(model))
+    plain.batch_invariant = False
+    sequence = jnp.asarray([workload()[0]], jnp.int32)
+    np.testing.assert_allclose(sequence_logits(plain, sequence), sequence_logits(model, sequence),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_option_is_validated():
+    with pytest.raises(OptionError, match="^batch_invariant must be True or False"):
+        LLM(batch_invariant="yes")
+    with pytest.raises(OptionError, match="attention_backend must be 'auto'"):
+        LLM(batch_invariant=True, attention_backend="reference")
+    with pytest.raises(OptionError, match="set batch_invariant=True"):
+        LLM(attention_backend="batch_invariant")
+
+
+def test_mixture_of_experts_model_is_refused_by_name():
+    config = ModelConfig.from_dict(dict(
+        architectures=["MixtralForCausalLM"], vocab_size=32, hidden_size=16,
+        intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, num_local_experts=4, num_experts_per_tok=2))
+    model = random_model(config, dtype="float32")
+    with pytest.raises(OptionError, match="^batch_invariant does not cover mixture-of-experts"):
+        decide_engine_config(model, check_options({"batch_invariant": True,
+                                                   "num_kv_blocks": 16}))
+
+
+# ---- the pieces on their own ---------------------------------------------------------------------
+def _pages(seed=0, *, kv_heads=2, blocks=40, block_size=16, head_dim=32, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    shape = (kv_heads, blocks, block_size, head_dim)
+    k_pages = rng.standard_normal(shape).astype(np.float32)
+    v_pages = rng.standard_normal(shape).astype(np.float32)
+    k_pages[:, 0] = v_pages[:, 0] = np.nan          # the sink, never read
+    return jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype)
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (24, None), (None, 20.0)])
+def test_attention_matches_the_reference_and_ignores_the_batch(window, cap):
+    """Close to the reference (NaN sink, shuffled blocks, GQA); bitwise the same for a token alone
+    or batched, prefilled whole, chunked or decoded, whatever the block-table width."""
+    k_pages, v_pages = _pages()
+    rng = np.random.default_rng(1)
+    length, heads = 70, 6
+    q = jnp.asarray(rng.standard_normal((length, heads, 32)), jnp.float32)
+    blocks = rng.permutation(np.arange(1, 40))[:5].astype(np.int32)
+    options = dict(sliding_window=window, logits_soft_cap=cap)
+
+    def prefill(queries, table_width, start=0):
+        table = np.zeros((1, table_width), np.int32)
+        table[0, :5] = blocks
+        return np.asarray(batch_invariant.paged_attention_prefill(
+            queries, k_pages, v_pages, jnp.asarray(table), jnp.asarray([length], jnp.int32),
+            jnp.asarray([0, length - start], jnp.int32), **options))
+
+    whole = prefill(q, 5)
+    table = jnp.asarray(blocks[None])
+    expected = reference.paged_attention_prefill(
+        q, k_pages, v_pages, table, jnp.asarray([length], jnp.int32),
+        jnp.asarray([0, length], jnp.int32), **options)
+    np.testing.assert_allclose(whole, expected, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(prefill(q, 12), whole)
+    assert np.array_equal(prefill(q[32:], 5, start=32), whole[32:])
+    for batch in (1, 3, 17):                     # the last token decoded beside others
+        others = jnp.asarray(rng.standard_normal((batch - 1, heads, 32)), jnp.float32)
+        tables = np.zeros((batch, 7), np.int32)
+        tables[:, :5] = blocks
+        lens = np.full(batch, length, np.int32)
+        lens[0] = length if batch == 1 else 0                    # a padding row too
+        decoded = batch_invariant.paged_attention_decode(
+            jnp.concatenate([others, q[-1:]]), k_pages, v_pages, jnp.asarray(tables),
+            jnp.asarray(lens), **options)
+        assert np.array_equal(np.asarray(decoded)[-1], whole[-1])
+        if batch > 1:
+            assert not np.asarray(decoded)[0].any()
+
+
+def test_map_rows_is_the_function_and_independent_of_the_row_count():
+    rng = np.random.default_rng(0)
+    weight = jnp.asarray(rng.standard_normal((192, 257)), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((37, 192)), jnp.float32)
+    project = jax.jit(lambda x: row_tiles.map_rows(
+        lambda tile: jax.nn.log_softmax(jnp.dot(tile, weight, precision="highest")), x))
+    np.testing.assert_allclose(project(rows), jax.nn.log_softmax(
+        jnp.dot(rows, weight, precision="highest")), rtol=1e-5, atol=1e-5)
+    alone_row = np.asarray(project(rows[:1]))
+    for count in (2, 8, 9, 37):
+        assert np.array_equal(np.asarray(project(rows[:count]))[:1], alone_row)
+        assert np.array_equal(np.asarray(project(jnp.roll(rows[:count], -1, axis=0)))[-1:],
+                              alone_row)
+    empty = row_tiles.map_rows(lambda a, b: (a, b[:, :0]), rows[:3], rows[:3, :0])
+    assert [leaf.shape for leaf in empty] == [(3, 192), (3, 0)]
