@@ -15,11 +15,12 @@ from jpaged import LLM, SamplingParams
 from jpaged.config import ModelConfig
 from jpaged.engine.builder import decide_engine_config
 from jpaged.models import random_model, row_tiles, sequence_logits, sequence_logprobs
+from jpaged.models.forward import COMPILER_OPTIONS
 from jpaged.options import OptionError, check_options
 from pallas_kernels import batch_invariant, reference
 
 PARAMS = SamplingParams(temperature=1.0, seed=7, max_tokens=24, logprobs=0, ignore_eos=True)
-BASE = dict(enable_prefix_caching=False, max_model_len=256, num_kv_blocks=128,
+BASE = dict(enable_prefix_caching=False, max_model_len=256, num_kv_blocks=128, warmup=False,
             batch_invariant=True)
 
 
@@ -86,7 +87,6 @@ CASES = {
 }
 
 
-@pytest.mark.gpu_suite
 @pytest.mark.parametrize("case", CASES)
 def test_float32_requests_are_bitwise_the_same_however_they_are_served(case):
     results, outputs, _ = served("float32", case)
@@ -97,14 +97,12 @@ def test_float32_requests_are_bitwise_the_same_however_they_are_served(case):
         assert sum(output.num_preemptions for output in outputs) > 0
 
 
-@pytest.mark.gpu_suite
 @pytest.mark.parametrize("case", ["batched, chunks of 64, K=8", "preempted by recompute"])
 def test_bfloat16_requests_are_bitwise_the_same_however_they_are_served(case):
     results, _, _ = served("bfloat16", case)
     assert_bitwise_equal(results, alone("bfloat16"))
 
 
-@pytest.mark.gpu_suite
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_training_forward_gives_the_engines_logprobs(dtype):
     """sequence_logprobs over prompt + output, in a right-padded batch of three, equals what the
@@ -114,7 +112,8 @@ def test_training_forward_gives_the_engines_logprobs(dtype):
     sequence = np.asarray(target + list(tokens), np.int32)
     batch = np.full((3, len(sequence) + 5), 9, np.int32)
     batch[1, :len(sequence)] = sequence
-    forward = jax.jit(sequence_logprobs)(model, jnp.asarray(batch))
+    forward = jax.jit(sequence_logprobs, compiler_options=COMPILER_OPTIONS)(model,
+                                                                           jnp.asarray(batch))
     assert forward.shape == (3, len(sequence) + 4)
     assert np.array_equal(np.asarray(forward)[1, len(target) - 1:len(sequence) - 1], logprobs)
 

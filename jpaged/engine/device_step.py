@@ -399,11 +399,14 @@ _DECODE_LOOPS = _programs(decode_loop_impl, (
     "interpret", "logprobs_mode", "matchers"))
 
 
-def step_program(num_tokens: int):
-    """The jitted `step_impl` for a step of num_tokens (padded) tokens."""
-    return _STEP_PROGRAMS[num_tokens <= TRITON_GEMM_MAX_TOKENS]
+def step_program(num_tokens: int, batch_invariant: bool = False):
+    """The jitted `step_impl` for a step of num_tokens (padded) tokens. batch_invariant: every
+    program takes cuBLAS (one GEMM algorithm per shape whatever the program), so a row tile's
+    matmul is the same in a decode step, a prefill and a loop."""
+    return _STEP_PROGRAMS[not batch_invariant and num_tokens <= TRITON_GEMM_MAX_TOKENS]
 
 
-def decode_loop(batch: int):
-    """The jitted `decode_loop_impl` for a loop of batch (padded) rows."""
-    return _DECODE_LOOPS[batch <= TRITON_GEMM_MAX_TOKENS]
+def decode_loop(batch: int, batch_invariant: bool = False):
+    """The jitted `decode_loop_impl` for a loop of batch (padded) rows (batch_invariant: as in
+    `step_program`)."""
+    return _DECODE_LOOPS[not batch_invariant and batch <= TRITON_GEMM_MAX_TOKENS]

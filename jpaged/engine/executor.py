@@ -91,6 +91,7 @@ class Executor:
         self.max_model_len = config.max_model_len
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.attention_backend = config.attention_backend
+        self.batch_invariant = config.batch_invariant
         self.logprobs_mode = config.logprobs_mode
         self.interpret = config.interpret
         # Tensor parallelism (model.mesh, `jpaged.parallel`): the block manager and the inputs
@@ -237,7 +238,7 @@ class Executor:
                       num_logprobs=logprob_bucket, backend=self.attention_backend,
                       interpret=self.interpret, logprobs_mode=self.logprobs_mode,
                       num_scored_logprobs=scored_bucket)
-        return (key, step_program(inputs.token_ids.shape[0]),
+        return (key, step_program(inputs.token_ids.shape[0], self.batch_invariant),
                 (self.param_leaves, self.manager, self.cache, self._put(packed)), static)
 
     def run_rows(self, rows, block_ops: list) -> tuple[list, list]:
@@ -375,7 +376,7 @@ class Executor:
         key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
         kwargs = dict(layout=layout, model_def=self.model_def, backend=self.attention_backend,
                       interpret=self.interpret, **static)
-        return (key, decode_loop(batch[0]),
+        return (key, decode_loop(batch[0], self.batch_invariant),
                 (self.param_leaves, self.manager, self.cache, packed, previous_result, control),
                 kwargs)
 

@@ -20,6 +20,12 @@ from jpaged.models.attention import AttentionMetadata
 from jpaged.sampling import token_logprobs
 
 
+# jit the training forward with these (`jax.jit(..., compiler_options=COMPILER_OPTIONS)`) to
+# agree with the engine on a GPU: the batch-invariant engine's programs take cuBLAS for every
+# matmul, where XLA would pick its Triton GEMMs for some shapes (another order of sums).
+COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
 def sequence_logits(model, token_ids, *, block_size: int = 16, backend: str | None = None):
     """token_ids [B, L] int32 -> logits [B, L, V] float32: position i's logits predict token
     i + 1. Sequences of different lengths are right-padded (any id): causal attention keeps a
