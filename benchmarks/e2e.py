@@ -57,20 +57,21 @@ def trace_prompts(trace, vocab_size):
     return [rng.integers(10, vocab_size, r.input_len).tolist() for r in trace]
 
 
-def build_jpaged(model, args, *, block_size, num_steps=1, max_num_seqs=None):
+def build_jpaged(model, args, *, block_size, num_steps=1, max_num_seqs=None, **options):
     """An engine with a pool of exactly the budget (plus its sink block); no prefix caching
-    (the trace's prompts share nothing)."""
+    (the trace's prompts share nothing). options: engine options over these."""
     budget = args.budget_seqs * args.max_model_len
-    return LLMEngine.from_model(
-        model, None, block_size=block_size, num_kv_blocks=budget // block_size + 1,
+    return LLMEngine.from_model(model, None, **{**dict(
+        block_size=block_size, num_kv_blocks=budget // block_size + 1,
         max_num_seqs=max_num_seqs or args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=num_steps,
-        enable_prefix_caching=False, warmup=False)
+        enable_prefix_caching=False, warmup=False), **options})
 
 
 def run_jpaged(model, trace, prompts, args, *, block_size, num_steps, keep_engine=False,
-               max_num_seqs=None):
-    """The trace through one engine (build_jpaged); returns (result, engine if keep_engine).
+               max_num_seqs=None, **options):
+    """The trace through one engine (build_jpaged, with `options`); returns (result, engine if
+    keep_engine).
 
     --passes 2 (the default): a first pass compiles every program the trace needs, untimed; the
     second, on the same engine, is timed and should compile nothing (any compile it does is
@@ -78,7 +79,7 @@ def run_jpaged(model, trace, prompts, args, *, block_size, num_steps, keep_engin
     which also takes out the device work queued before each compile that ran while it
     compiled: an over-subtraction that grows with the number of programs compiled."""
     engine = build_jpaged(model, args, block_size=block_size, num_steps=num_steps,
-                          max_num_seqs=max_num_seqs)
+                          max_num_seqs=max_num_seqs, **options)
     output_tokens = sum(r.output_len for r in trace)
     first_pass = None
     for pass_index in range(args.passes):

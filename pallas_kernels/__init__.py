@@ -158,9 +158,13 @@ def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads
     slot_mapping [T] (-1 skips); cos, sin [T, D] float32. Returns (q, k_pages, v_pages).
 
     The GPU backends do it in one Pallas launch; the reference and "pallas_tpu" with XLA's ops
-    and scatter. Callers donate the pages so either writes in place.
+    and scatter; "batch_invariant" rotates in its fixed row tiles. Callers donate the pages so
+    either writes in place.
     """
     _check_backend(backend, {})
+    if backend == "batch_invariant":
+        return batch_invariant.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping,
+                                                num_heads=num_heads)
     if backend in GPU_BACKENDS:
         return rotate_and_write_gpu(qkv, cos, sin, k_pages, v_pages, slot_mapping,
                                     num_heads=num_heads, interpret=interpret)

@@ -6,9 +6,12 @@ block-table width (C = M * S, the batch's longest sequence); on a CPU a query's 
 about 1e-7 between a prefill and a decode step. Here every reduction has a shape fixed by the
 mode, never by the batch:
 
-- query tokens go through in tiles of `TILE_ROWS` rows (`lax.map`), so no op sees T;
+- query tokens go through in tiles of `TILE_ROWS` rows (`map_tiles`), so no op sees T;
 - each tile walks its tokens' logical blocks in order, one block of S keys at a time, with an
   online softmax (running max, rescaled sum and output), so no op sees M;
+- a tile, and each block's step, is fenced by optimization barriers, so a compiler fuses it the
+  same way in every program (on a GPU a multiply and an add fused into one kernel become one
+  fused multiply-add, rounded once: where a fusion ends changes the last bit);
 - a block that holds none of a row's visible keys leaves that row's running state untouched
   (selected, not added to), so the blocks past a token's context, or before its sliding window,
   change nothing, exactly.
@@ -23,9 +26,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import _precision, check_page_layout
+from pallas_kernels.reference import (_precision, apply_rotary, check_packed_heads,
+                                      check_page_layout, write_to_pages)
 
-TILE_ROWS = 8
+# Rows per tile (the mode's numbers depend on it). A row-wise matmul reads its weights once per
+# tile, so a decode batch of up to 64 rows reads them once; a smaller batch pays padded rows,
+# nearly free where a step is bound by reading weights (8B shape on the H200: tiles of 8 made a
+# decode step of 64 rows 9.2x one of 8).
+TILE_ROWS = 64
 
 
 def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, scale=None,
@@ -67,20 +75,53 @@ def paged_attention_prefill(q, k_pages, v_pages, block_tables, context_lens, que
         scale=head_dim ** -0.5 if scale is None else scale, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, precision=_precision(q.dtype, precision))
     rows = (q, block_tables[seq_of_token], lens, positions)
-    out = _map_tiles(attend, rows, tile_rows)
+    out = map_tiles(attend, *rows, tile_rows=tile_rows)
     return out.astype(q.dtype)
 
 
-def _map_tiles(fn, rows, tile_rows):
-    """fn over `rows` (arrays with a leading T axis) in tiles of tile_rows rows: [T, ...] out.
-    The last tile is padded with copies of row 0 (real rows, so nothing in a tile is NaN)."""
-    num_rows = rows[0].shape[0]
+def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads,
+                     tile_rows=TILE_ROWS):
+    """`reference.rotate_and_write`'s contract, the rotations computed in tiles of tile_rows
+    tokens (`map_tiles`), so a token's rotated query and key never depend on the batch."""
+    num_kv_heads = check_packed_heads(qkv, k_pages, num_heads)
+    q, k = map_tiles(lambda heads, cos, sin: (
+        apply_rotary(heads[:, :num_heads], cos, sin),
+        apply_rotary(heads[:, num_heads:num_heads + num_kv_heads], cos, sin)),
+        qkv, cos, sin, tile_rows=tile_rows)
+    k_pages, v_pages = write_to_pages(k_pages, v_pages, k, qkv[:, num_heads + num_kv_heads:],
+                                      slot_mapping)
+    return q, k_pages, v_pages
+
+
+def map_tiles(fn, *rows, tile_rows=TILE_ROWS):
+    """fn(*rows) for a row-wise fn, computed tile by tile: every leaf of `rows` (pytrees) has the
+    same leading axis T; the result's leaves have T leading rows. The last tile is padded with
+    copies of row 0 (real rows, so nothing in a tile is NaN or inf). Each tile is one `lax.map`
+    iteration fenced by optimization barriers: whatever the number of tiles, and whatever the
+    program does around them, the compiler sees the same isolated computation of one shape."""
+    leaves = jax.tree.leaves(rows)
+    num_rows = leaves[0].shape[0]
+    if any(leaf.shape[0] != num_rows for leaf in leaves):
+        raise ValueError(f"every row input needs {num_rows} leading rows, got shapes "
+                         f"{[leaf.shape for leaf in leaves]}")
     num_tiles = -(-num_rows // tile_rows)
     pad = num_tiles * tile_rows - num_rows
-    tiled = [jnp.concatenate([r, jnp.broadcast_to(r[:1], (pad, *r.shape[1:]))])
-             .reshape(num_tiles, tile_rows, *r.shape[1:]) for r in rows]
-    out = jax.lax.map(lambda tile: fn(*tile), tuple(tiled))
-    return out.reshape(num_tiles * tile_rows, *out.shape[2:])[:num_rows]
+
+    def tiles(leaf):
+        padded = jnp.concatenate([leaf, jnp.broadcast_to(leaf[:1], (pad, *leaf.shape[1:]))])
+        return padded.reshape(num_tiles, tile_rows, *leaf.shape[1:])
+
+    out = jax.lax.map(_fenced(lambda tile: fn(*tile)), jax.tree.map(tiles, rows))
+    return jax.tree.map(
+        lambda leaf: leaf.reshape(num_tiles * tile_rows, *leaf.shape[2:])[:num_rows], out)
+
+
+def _fenced(fn):
+    """fn with optimization barriers on its arguments and its result: nothing outside is fused
+    into its computation, nor it into anything outside."""
+    def fenced(*args):
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
+    return fenced
 
 
 def _attend_tile(k_pages, v_pages, q, tables, lens, positions, *, scale, sliding_window,
@@ -123,6 +164,6 @@ def _attend_tile(k_pages, v_pages, q, tables, lens, positions, *, scale, sliding
     shape = (num_rows, num_kv_heads, group)
     start = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
              jnp.zeros((*shape, head_dim), jnp.float32))
-    (_, row_sum, acc), _ = jax.lax.scan(visit, start, jnp.arange(tables.shape[1]))
+    (_, row_sum, acc), _ = jax.lax.scan(_fenced(visit), start, jnp.arange(tables.shape[1]))
     out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
     return out.reshape(num_rows, num_heads, head_dim)

@@ -169,6 +169,15 @@ def apply_rotary(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def check_packed_heads(qkv, k_pages, num_heads: int) -> int:
+    """The cache's kv heads K, once qkv is checked to be [T, num_heads + 2K, D]."""
+    num_kv_heads = k_pages.shape[0]
+    if qkv.ndim != 3 or qkv.shape[1] != num_heads + 2 * num_kv_heads:
+        raise ValueError(f"qkv must be [T, {num_heads} + 2 x {num_kv_heads}, D], got "
+                         f"{qkv.shape}")
+    return num_kv_heads
+
+
 def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads):
     """A layer's projected heads -> rotated queries, with rotated keys and values written.
 
@@ -176,10 +185,7 @@ def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads
     cos, sin: [T, D] float32 rotary tables; slot_mapping [T] int32 (-1 skips the write).
     Returns (q [T, H, D] rotated, k_pages, v_pages with the rotated keys and the values written).
     """
-    num_kv_heads = k_pages.shape[0]
-    if qkv.ndim != 3 or qkv.shape[1] != num_heads + 2 * num_kv_heads:
-        raise ValueError(f"qkv must be [T, {num_heads} + 2 x {num_kv_heads}, D], got "
-                         f"{qkv.shape}")
+    num_kv_heads = check_packed_heads(qkv, k_pages, num_heads)
     q = apply_rotary(qkv[:, :num_heads], cos, sin)
     k = apply_rotary(qkv[:, num_heads:num_heads + num_kv_heads], cos, sin)
     k_pages, v_pages = write_to_pages(k_pages, v_pages, k, qkv[:, num_heads + num_kv_heads:],

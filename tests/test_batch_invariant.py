@@ -19,6 +19,9 @@ from jpaged.models.forward import COMPILER_OPTIONS
 from jpaged.options import OptionError, check_options
 from pallas_kernels import batch_invariant, reference
 
+# Compiled on the GPU by `make test-gpu` as well: the mode's claim is made there too.
+pytestmark = pytest.mark.gpu_suite
+
 PARAMS = SamplingParams(temperature=1.0, seed=7, max_tokens=24, logprobs=0, ignore_eos=True)
 BASE = dict(enable_prefix_caching=False, max_model_len=256, num_kv_blocks=128, warmup=False,
             batch_invariant=True)

@@ -379,15 +379,17 @@ TRITON_GEMM_MAX_TOKENS = 32
 
 
 def _programs(fn, static_argnames) -> dict:
-    """fn jitted twice, {True: with XLA's Triton GEMMs, False: cuBLAS only}. Module-level, so
-    engines with the same model and shapes share compiled executables. Donated: argument 1
-    (block-manager state) and 2 (KV cache) are updated in place."""
+    """fn jitted three times, {True: with XLA's Triton GEMMs, False: cuBLAS only,
+    "batch_invariant": the batch-invariant mode's options (`row_tiles.COMPILER_OPTIONS`)}.
+    Module-level, so engines with the same model and shapes share compiled executables. Donated:
+    argument 1 (block-manager state) and 2 (KV cache) are updated in place."""
     programs = {}
-    for triton in (True, False):
-        options = {"xla_gpu_enable_triton_gemm": triton}
-        programs[triton] = jax.jit(fn, donate_argnums=(1, 2), static_argnames=static_argnames,
-                                   compiler_options=options)
-        programs[triton].compiler_options = options   # for the program store's key
+    for key, options in ((True, {"xla_gpu_enable_triton_gemm": True}),
+                         (False, {"xla_gpu_enable_triton_gemm": False}),
+                         ("batch_invariant", row_tiles.COMPILER_OPTIONS)):
+        programs[key] = jax.jit(fn, donate_argnums=(1, 2), static_argnames=static_argnames,
+                                compiler_options=options)
+        programs[key].compiler_options = options   # for the program store's key
     return programs
 
 
@@ -401,12 +403,17 @@ _DECODE_LOOPS = _programs(decode_loop_impl, (
 
 def step_program(num_tokens: int, batch_invariant: bool = False):
     """The jitted `step_impl` for a step of num_tokens (padded) tokens. batch_invariant: every
-    program takes cuBLAS (one GEMM algorithm per shape whatever the program), so a row tile's
-    matmul is the same in a decode step, a prefill and a loop."""
-    return _STEP_PROGRAMS[not batch_invariant and num_tokens <= TRITON_GEMM_MAX_TOKENS]
+    program compiles with the mode's options (cuBLAS, its algorithm by heuristic rather than by
+    timing: one GEMM per shape whatever the program or the process), so a row tile's matmul is
+    the same in a decode step, a prefill and a loop."""
+    if batch_invariant:
+        return _STEP_PROGRAMS["batch_invariant"]
+    return _STEP_PROGRAMS[num_tokens <= TRITON_GEMM_MAX_TOKENS]
 
 
 def decode_loop(batch: int, batch_invariant: bool = False):
     """The jitted `decode_loop_impl` for a loop of batch (padded) rows (batch_invariant: as in
     `step_program`)."""
-    return _DECODE_LOOPS[not batch_invariant and batch <= TRITON_GEMM_MAX_TOKENS]
+    if batch_invariant:
+        return _DECODE_LOOPS["batch_invariant"]
+    return _DECODE_LOOPS[batch <= TRITON_GEMM_MAX_TOKENS]

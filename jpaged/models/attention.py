@@ -14,6 +14,8 @@ import jax
 
 import pallas_kernels
 from jpaged import parallel
+# The batch-invariant attention's row tiles, which the mode's row-wise parts share (`row_tiles`).
+from pallas_kernels.batch_invariant import TILE_ROWS, map_tiles  # noqa: F401
 
 BACKENDS = pallas_kernels.BACKENDS
 

@@ -17,13 +17,12 @@ import jax.numpy as jnp
 from jpaged import kv_cache, parallel
 from jpaged.models import row_tiles
 from jpaged.models.attention import AttentionMetadata
+from jpaged.models.row_tiles import COMPILER_OPTIONS
 from jpaged.sampling import token_logprobs
 
-
-# jit the training forward with these (`jax.jit(..., compiler_options=COMPILER_OPTIONS)`) to
-# agree with the engine on a GPU: the batch-invariant engine's programs take cuBLAS for every
-# matmul, where XLA would pick its Triton GEMMs for some shapes (another order of sums).
-COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# jit the training forward with COMPILER_OPTIONS (`jax.jit(..., compiler_options=...)`) to agree
+# with the batch-invariant engine on a GPU: its programs compile with them.
+__all__ = ["COMPILER_OPTIONS", "sequence_logits", "sequence_logprobs"]
 
 
 def sequence_logits(model, token_ids, *, block_size: int = 16, backend: str | None = None):

@@ -172,8 +172,8 @@ class LlamaModel(nnx.Module):
         """rows: how row-wise parts run over the tokens (`row_tiles.runner`)."""
         x = self.embed_tokens(token_ids)                                # [T, E]
         if self.embedding_scale is not None:
-            x = x * jnp.asarray(self.embedding_scale, x.dtype)
-        tables = [rotary.cos_sin(positions) for rotary in self.rotaries]   # each [T, D] x 2
+            x = rows(lambda e: e * jnp.asarray(self.embedding_scale, e.dtype), x)
+        tables = [rows(rotary.cos_sin, positions) for rotary in self.rotaries]  # [T, D] x 2
         for layer, rotary in zip(self.layers, self.rotary_of_layer):
             x, cache = layer(x, *tables[rotary], cache, metadata, precision, rows)
         return rows(self.norm, x), cache

@@ -1,0 +1,202 @@
+"""The batch-invariant mode on one GPU: what it costs, and whether its numbers repeat.
+
+Cost, side by side in one process on one model (a preset with random weights), the default mode
+against `batch_invariant=True`: the decode step's device time (part "steps":
+roofline.time_decode_step, the one-iteration decode loop launched back to back) at a few batch
+sizes, and the e2e trace at each K (part "e2e": benchmarks/e2e.py's jpaged run, all requests at
+time 0, the second of two passes through one engine timed).
+
+Determinism: the trace's first --det-requests requests (outputs capped at --det-max-tokens),
+sampled (temperature 1, a seed per request, the sampled token's logprob), run --det-runs times
+through fresh batch-invariant engines that differ in how they batch: K = 8, the same again,
+K = 1, K = 8 with asynchronous scheduling, K = 8 with prompts in chunks of 256. Every token and
+every logprob must be identical across the runs (`identical` in the table; a mismatch names the
+first request that differs).
+
+Usage: python benchmarks/batch_invariant.py --model llama3-8b --out-dir results/
+"""
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import e2e, hf_backends, roofline  # noqa: E402
+from benchmarks.trace import ALPACA, SHAREGPT, make_trace  # noqa: E402
+from jpaged import LLMEngine, SamplingParams  # noqa: E402
+from jpaged.config import ModelConfig  # noqa: E402
+from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
+
+MODES = {"default": False, "batch-invariant": True}
+# How each determinism run batches (engine options over the e2e budget's).
+DETERMINISM_RUNS = (
+    ("K=8", dict(num_scheduler_steps=8)),
+    ("K=8 again", dict(num_scheduler_steps=8)),
+    ("K=1", dict(num_scheduler_steps=1)),
+    ("K=8 async", dict(num_scheduler_steps=8, async_scheduling=True)),
+    ("K=8, chunks of 256", dict(num_scheduler_steps=8, max_num_batched_tokens=256)),
+)
+
+
+def e2e_cost(model, trace, prompts, args, log=print) -> list:
+    """The trace at each K in both modes: one row each."""
+    rows = []
+    for k in args.ks:
+        for mode, invariant in MODES.items():
+            result, _ = e2e.run_jpaged(model, trace, prompts, args, block_size=16, num_steps=k,
+                                       batch_invariant=invariant)
+            rows.append(dict(mode=mode, k=k, tokens_per_s=result["output_tokens"]
+                             / result["wall"], wall=result["wall"], note=result["note"]))
+            log(f"e2e {mode} K={k}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+            gc.collect()
+    return rows
+
+
+def step_cost(model, args, log=print) -> list:
+    """The decode step's device time at each of --step-batches in both modes."""
+    rows = []
+    for mode, invariant in MODES.items():
+        engine = e2e.build_jpaged(model, args, block_size=16,
+                                  max_num_seqs=max(args.step_batches), batch_invariant=invariant)
+        for batch in args.step_batches:
+            step = roofline.time_decode_step(engine, batch, max_context=args.step_context)
+            rows.append(dict(mode=mode, **step))
+            log(f"decode step {mode} batch {batch}: {step['seconds'] * 1e3:.2f} ms", flush=True)
+        del engine
+        gc.collect()
+    return rows
+
+
+def sample_trace(model, trace, prompts, args, options) -> list:
+    """[(token ids, logprobs)] per request: the trace's requests sampled through a fresh
+    batch-invariant engine built with `options`."""
+    engine = e2e.build_jpaged(model, args, block_size=16,
+                              **{"batch_invariant": True, **options})
+    for index, (request, prompt) in enumerate(zip(trace, prompts)):
+        engine.add_request(f"r{index}", prompt_token_ids=prompt, params=SamplingParams(
+            temperature=1.0, seed=index, max_tokens=min(request.output_len, args.det_max_tokens),
+            ignore_eos=True, logprobs=0))
+    finished = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0]
+    results = []
+    for index in range(len(trace)):
+        completion = finished[f"r{index}"]
+        results.append((list(completion.token_ids), np.array(
+            [step[token] for step, token in zip(completion.logprobs, completion.token_ids)])))
+    return results
+
+
+def determinism(model, trace, prompts, args, log=print) -> list[dict]:
+    """One row per run: its name, seconds, and whether it equals the first run bit for bit."""
+    rows, first = [], None
+    for name, options in DETERMINISM_RUNS[:args.det_runs]:
+        start = time.perf_counter()
+        results = sample_trace(model, trace[:args.det_requests], prompts[:args.det_requests],
+                               args, options)
+        seconds = time.perf_counter() - start
+        differs = None
+        if first is None:
+            first = results
+        else:
+            for index, ((tokens, logprobs), (tokens0, logprobs0)) in enumerate(
+                    zip(results, first, strict=True)):
+                if tokens != tokens0 or not np.array_equal(logprobs, logprobs0):
+                    differs = index
+                    break
+        rows.append(dict(run=name, seconds=seconds, differs=differs,
+                         tokens=sum(len(t) for t, _ in results)))
+        log(f"determinism {name}: {'identical' if differs is None else f'request {differs}'}",
+            flush=True)
+        gc.collect()
+    return rows
+
+
+def tables(e2e_rows, step_rows, det_rows) -> str:
+    text = ""
+    if e2e_rows:
+        lines = ["| K | default tokens/s | batch-invariant tokens/s | invariant / default time |",
+                 "|---:|---:|---:|---:|"]
+        for k in sorted({row["k"] for row in e2e_rows}):
+            rate = {row["mode"]: row["tokens_per_s"] for row in e2e_rows if row["k"] == k}
+            if len(rate) == 2:
+                lines.append(f"| {k} | {rate['default']:.0f} | {rate['batch-invariant']:.0f} | "
+                             f"{rate['default'] / rate['batch-invariant']:.2f}x |")
+        text += "E2e trace, output tokens/s:\n\n" + "\n".join(lines) + "\n"
+    if step_rows:
+        lines = ["| batch | context | default ms | batch-invariant ms | ratio |",
+                 "|---:|---:|---:|---:|---:|"]
+        for batch in sorted({row["batch"] for row in step_rows}):
+            ms = {row["mode"]: row["seconds"] * 1e3 for row in step_rows if row["batch"] == batch}
+            context = next(row["context"] for row in step_rows if row["batch"] == batch)
+            if len(ms) == 2:
+                lines.append(f"| {batch} | {context} | {ms['default']:.2f} | "
+                             f"{ms['batch-invariant']:.2f} | "
+                             f"{ms['batch-invariant'] / ms['default']:.2f}x |")
+        text += "\nDecode step, device time (one-iteration loop):\n\n" + "\n".join(lines) + "\n"
+    if det_rows:
+        lines = ["| run | output tokens | seconds | against the first run |", "|---|---:|---:|---|"]
+        for row in det_rows:
+            verdict = ("-" if row is det_rows[0] else "identical" if row["differs"] is None
+                       else f"DIFFERS from request {row['differs']}")
+            lines.append(f"| {row['run']} | {row['tokens']} | {row['seconds']:.1f} | {verdict} |")
+        text += "\nDeterminism (batch-invariant, sampled, every token and logprob):\n\n" + \
+            "\n".join(lines) + "\n"
+    return text
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="the batch-invariant mode's cost and determinism")
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--trace", choices=("sharegpt", "alpaca"), default="sharegpt")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--budget-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--step-batches", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 8, 64])
+    parser.add_argument("--step-context", type=int, default=1024)
+    parser.add_argument("--det-requests", type=int, default=64)
+    parser.add_argument("--det-runs", type=int, default=len(DETERMINISM_RUNS))
+    parser.add_argument("--det-max-tokens", type=int, default=1 << 20,
+                        help="cap each determinism request's output (the trace's length else)")
+    parser.add_argument("--parts", default="steps,e2e,determinism")
+    parser.add_argument("--tail-seqs", type=int, default=16)
+    parser.add_argument("--out-dir", default=".")
+    args = parser.parse_args(argv)
+    args.passes = 2
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = ModelConfig.preset(args.model)
+    model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    trace = make_trace(args.num_requests, **(SHAREGPT if args.trace == "sharegpt" else ALPACA),
+                       seed=0)
+    prompts = e2e.trace_prompts(trace, config.vocab_size)
+    parts = set(args.parts.split(","))
+    step_rows = step_cost(model, args) if "steps" in parts else []
+    e2e_rows = e2e_cost(model, trace, prompts, args) if "e2e" in parts else []
+    det_rows = determinism(model, trace, prompts, args) if "determinism" in parts else []
+    text = ("\n".join(hf_backends.run_lines("batch_invariant.py")) + "\n\n"
+            + f"model {args.model}, random {args.dtype} weights, {args.trace} trace of {len(trace)} "
+            f"requests, KV "
+            f"budget {args.budget_seqs} x {args.max_model_len} tokens; {jax.devices()[0]}\n\n"
+            + tables(e2e_rows, step_rows, det_rows))
+    (out_dir / "batch_invariant.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
