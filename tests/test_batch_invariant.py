@@ -171,8 +171,15 @@ def _pages(seed=0, *, kv_heads=2, blocks=40, block_size=16, head_dim=32, dtype=j
     return jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype)
 
 
+# The two paths of the kernel: the jnp walk, and the Triton decode kernel over every token
+# (compiled on a GPU, in the Pallas interpreter elsewhere).
+PATHS = {"walk": dict(kernel=False),
+         "triton": dict(kernel=True, interpret=jax.default_backend() != "gpu")}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("window, cap", [(None, None), (24, None), (None, 20.0)])
-def test_attention_matches_the_reference_and_ignores_the_batch(window, cap):
+def test_attention_matches_the_reference_and_ignores_the_batch(window, cap, path):
     """Close to the reference (NaN sink, shuffled blocks, GQA); bitwise the same for a token alone
     or batched, prefilled whole, chunked or decoded, whatever the block-table width."""
     k_pages, v_pages = _pages()
@@ -180,7 +187,7 @@ def test_attention_matches_the_reference_and_ignores_the_batch(window, cap):
     length, heads = 70, 6
     q = jnp.asarray(rng.standard_normal((length, heads, 32)), jnp.float32)
     blocks = rng.permutation(np.arange(1, 40))[:5].astype(np.int32)
-    options = dict(sliding_window=window, logits_soft_cap=cap)
+    options = dict(sliding_window=window, logits_soft_cap=cap, **PATHS[path])
 
     def prefill(queries, table_width, start=0):
         table = np.zeros((1, table_width), np.int32)
@@ -193,7 +200,7 @@ def test_attention_matches_the_reference_and_ignores_the_batch(window, cap):
     table = jnp.asarray(blocks[None])
     expected = reference.paged_attention_prefill(
         q, k_pages, v_pages, table, jnp.asarray([length], jnp.int32),
-        jnp.asarray([0, length], jnp.int32), **options)
+        jnp.asarray([0, length], jnp.int32), sliding_window=window, logits_soft_cap=cap)
     np.testing.assert_allclose(whole, expected, rtol=1e-5, atol=1e-5)
     assert np.array_equal(prefill(q, 12), whole)
     assert np.array_equal(prefill(q[32:], 5, start=32), whole[32:])
@@ -226,3 +233,36 @@ def test_map_rows_is_the_function_and_independent_of_the_row_count():
                               alone_row)
     empty = row_tiles.map_rows(lambda a, b: (a, b[:, :0]), rows[:3], rows[:3, :0])
     assert [leaf.shape for leaf in empty] == [(3, 192), (3, 0)]
+
+
+def test_the_triton_path_is_taken_on_a_gpu_where_it_can_run():
+    k_pages, _ = _pages(dtype=jnp.bfloat16)
+    q = jnp.zeros((3, 4, 32), jnp.bfloat16)
+    assert batch_invariant.uses_kernel(q, k_pages) == (jax.default_backend() == "gpu")
+    assert not batch_invariant.uses_kernel(q.astype(jnp.float32), k_pages)   # pages in bf16
+    assert batch_invariant.kernel_problem(q.astype(jnp.float32), k_pages) == (
+        "pages in bfloat16, queries in float32")
+    odd_pages, _ = _pages(head_dim=12)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
+        batch_invariant.uses_kernel(jnp.zeros((3, 4, 12)), odd_pages, kernel=True)
+    assert not batch_invariant.uses_kernel(jnp.zeros((3, 4, 12)), odd_pages)
+
+
+def test_the_triton_path_differentiates_as_the_walk():
+    """A trainer differentiates the training forward: the Triton path's gradient is the jnp
+    walk's (the kernel itself has no derivative)."""
+    k_pages, v_pages = _pages(blocks=6)
+    k_pages, v_pages = (jnp.nan_to_num(pages) for pages in (k_pages, v_pages))
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((20, 4, 32)), jnp.float32)
+    args = (jnp.asarray([[1, 2, 3, 0]], jnp.int32), jnp.asarray([40], jnp.int32),
+            jnp.asarray([0, 20], jnp.int32))
+    weights = jnp.linspace(-1.0, 1.0, q.size).reshape(q.shape)
+
+    def loss(q, k_pages, v_pages, path):
+        out = batch_invariant.paged_attention_prefill(q, k_pages, v_pages, *args, **PATHS[path])
+        return jnp.sum(out * weights)
+
+    grads = {path: jax.grad(loss, argnums=(0, 1, 2))(q, k_pages, v_pages, path) for path in PATHS}
+    for triton, walk in zip(grads["triton"], grads["walk"], strict=True):
+        np.testing.assert_allclose(triton, walk, rtol=1e-6, atol=1e-6)
+        assert bool(jnp.any(triton != 0))

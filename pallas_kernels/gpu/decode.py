@@ -128,6 +128,16 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pag
 
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """D' = the tile width for head dim D: a power of two, at least 16."""
+    return max(_MIN_DOT_ROWS, pl.next_power_of_2(head_dim))
+
+
+def step_tokens_of(padded_dim: int, dtype) -> int:
+    """Tokens per step that hold 16 KiB of keys of width padded_dim (D'), at least 16."""
+    return max(16, 16384 // (padded_dim * jnp.dtype(dtype).itemsize))
+
+
 def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
     """The tiling used when the caller passes None: dict(tokens_per_step, num_splits, num_stages).
 
@@ -140,7 +150,7 @@ def default_tiling(batch, num_kv_heads, max_context, head_dim, dtype):
     `max_context` is the most keys one sequence reads (M*S, the table width, or a sliding window
     if smaller), a static bound; head_dim is the padded tile width D'.
     """
-    step_tokens = max(16, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
+    step_tokens = step_tokens_of(head_dim, dtype)
     programs = batch * num_kv_heads
     if programs >= _NUM_SMS:
         return dict(tokens_per_step=step_tokens, num_splits=1,
@@ -179,7 +189,7 @@ def paged_attention_decode(q, k_pages, v_pages, block_tables, context_lens, *, s
     check_head_dim(head_dim)
     check_options(sliding_window, logits_soft_cap)
     check_power_of_two("block size (k_pages.shape[2])", block_size, 1)
-    padded_dim = max(_MIN_DOT_ROWS, pl.next_power_of_2(head_dim))
+    padded_dim = padded_head_dim(head_dim)
     max_context = block_tables.shape[1] * block_size
     if sliding_window is not None:
         max_context = min(max_context, sliding_window)
