@@ -163,6 +163,35 @@ def test_rollout_built_from_the_actor_equals_the_checkpoint_built_one(checkpoint
     np.testing.assert_allclose(scored, tunix_logps(actor, tokens), atol=TOLERANCE)
 
 
+def test_a_batch_invariant_rollout_samples_the_training_forwards_logprobs(checkpoints):
+    """JpagedRollout(..., batch_invariant=True) from the actor: each sample's logprobs, as Tunix
+    receives them, are bit for bit those jpaged's training forward (`sequence_logprobs`, what a
+    trainer would differentiate) gives the prompt and sample, however the rollout batched them."""
+    from tunix.rl.rollout import base_rollout
+
+    from jpaged.integrations.tunix import JpagedRollout
+    from jpaged.models import sequence_logprobs
+
+    hf_dir = checkpoints["llama3"]
+    tokenizer = _adapter(hf_dir)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8,
+                                        kv_cache_size=64, temperature=1.0, seed=3,
+                                        return_logprobs=True)
+    rollout = JpagedRollout(tunix_model("llama3", hf_dir, seed=5), tokenizer, None, config,
+                            batch_invariant=True, **LLM_OPTIONS)
+    prompts = ["The quick brown fox", "Hello, world!", "ab"]
+    out = rollout.generate(prompts, config)
+    executor = rollout.llm.engine.executor
+    model = executor.model_def.merge(executor.param_leaves)
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs, strict=True):
+        prompt_ids = list(tokenizer.encode(prompt))
+        if prompt_ids[:1] != [tokenizer.bos_id()]:
+            prompt_ids = [tokenizer.bos_id()] + prompt_ids
+        sequence = jnp.asarray([prompt_ids + tokens.tolist()], jnp.int32)
+        forward = np.asarray(sequence_logprobs(model, sequence))[0, len(prompt_ids) - 1:]
+        assert np.array_equal(forward, logprobs)
+
+
 def test_an_actor_jpaged_cannot_compute_is_refused_by_name(checkpoints):
     import dataclasses
 
