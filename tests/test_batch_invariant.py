@@ -266,3 +266,34 @@ def test_the_triton_path_differentiates_as_the_walk():
     for triton, walk in zip(grads["triton"], grads["walk"], strict=True):
         np.testing.assert_allclose(triton, walk, rtol=1e-6, atol=1e-6)
         assert bool(jnp.any(triton != 0))
+
+
+def repeated_runs(preset: str, dtype: str, *, trace: str, max_model_len: int, max_tokens: int):
+    """benchmarks/batch_invariant.py's determinism rows: the trace's first 64 requests sampled
+    (outputs capped at max_tokens) through five engines that batch differently."""
+    import argparse
+
+    from benchmarks import batch_invariant as bench
+    from benchmarks import e2e
+    from benchmarks.trace import ALPACA, SHAREGPT, make_trace
+    from jpaged.models.llama import LlamaForCausalLM
+
+    config = ModelConfig.preset(preset)
+    model = LlamaForCausalLM(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+    requests = make_trace(64, **(SHAREGPT if trace == "sharegpt" else ALPACA), seed=0)
+    args = argparse.Namespace(budget_seqs=16, max_model_len=max_model_len, max_num_seqs=64,
+                              max_num_batched_tokens=2048, det_requests=64,
+                              det_runs=len(bench.DETERMINISM_RUNS), det_max_tokens=max_tokens)
+    return bench.determinism(model, requests, e2e.trace_prompts(requests, config.vocab_size),
+                             args, log=lambda *_, **__: None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled on a CUDA GPU")
+def test_the_traces_first_64_requests_repeat_bit_for_bit_on_the_gpu():
+    """Five engines that batch differently (K = 8 twice, K = 1, asynchronous, chunks of 256)
+    sample the e2e trace's first 64 requests: every token and logprob identical."""
+    rows = repeated_runs("llama3.2-1b", "bfloat16", trace="sharegpt", max_model_len=2048,
+                         max_tokens=32)
+    assert len(rows) == 5 and rows[0]["tokens"] > 64
+    assert [row["differs"] for row in rows] == [None] * 5
