@@ -124,7 +124,7 @@ def test_training_forward_gives_the_engines_logprobs(dtype):
 def test_training_forward_is_differentiable():
     *_, model = served("float32", "batched, chunks of 64, K=8")
     sequence = jnp.asarray([workload()[0][:40]], jnp.int32)
-    grads = nnx.grad(lambda m: -sequence_logprobs(m, sequence).mean())(model)
+    grads = nnx.jit(nnx.grad(lambda m: -sequence_logprobs(m, sequence).mean()))(model)
     leaves = jax.tree.leaves(nnx.state(grads))
     assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in leaves)
     assert any(bool(jnp.any(leaf != 0)) for leaf in leaves)
@@ -133,7 +133,7 @@ def test_training_forward_is_differentiable():
 def test_training_forward_of_the_default_mode_matches_the_invariant_one_closely():
     """The same forward in the default mode (plain matmuls, the reference attention) agrees to
     float32 rounding: the mode changes the order of sums, not the model."""
-    *_, model = run("float32")
+    *_, model = served("float32", "batched, chunks of 64, K=8")
     plain = nnx.merge(*nnx.split(model))
     plain.batch_invariant = False
     sequence = jnp.asarray([workload()[0]], jnp.int32)
