@@ -23,17 +23,12 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import e2e, hf_backends, roofline  # noqa: E402
-from benchmarks.trace import ALPACA, SHAREGPT, make_trace  # noqa: E402
-from jpaged import LLMEngine, SamplingParams  # noqa: E402
-from jpaged.config import ModelConfig  # noqa: E402
-from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
+from jpaged import SamplingParams  # noqa: E402
 
 MODES = {"default": False, "batch-invariant": True}
 # How each determinism run batches (engine options over the e2e budget's).
@@ -157,15 +152,7 @@ def tables(e2e_rows, step_rows, det_rows) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="the batch-invariant mode's cost and determinism")
-    parser.add_argument("--model", default="llama3-8b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--trace", choices=("sharegpt", "alpaca"), default="sharegpt")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--budget-seqs", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=512)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    e2e.add_trace_arguments(parser)
     parser.add_argument("--step-batches", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 8, 64])
     parser.add_argument("--step-context", type=int, default=1024)
@@ -180,11 +167,7 @@ def main(argv=None):
     args.passes = 2
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = ModelConfig.preset(args.model)
-    model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
-    trace = make_trace(args.num_requests, **(SHAREGPT if args.trace == "sharegpt" else ALPACA),
-                       seed=0)
-    prompts = e2e.trace_prompts(trace, config.vocab_size)
+    _, model, trace, prompts = e2e.model_and_trace(args)
     parts = set(args.parts.split(","))
     step_rows = step_cost(model, args) if "steps" in parts else []
     e2e_rows = e2e_cost(model, trace, prompts, args) if "e2e" in parts else []

@@ -271,8 +271,8 @@ class Parts:
         return extra
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="jpaged vs torch backends on one trace")
+def add_trace_arguments(parser):
+    """The model, trace and jpaged engine arguments of a benchmark that runs the trace."""
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-requests", type=int, default=256)
@@ -282,6 +282,20 @@ def main(argv=None):
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+
+
+def model_and_trace(args):
+    """(config, random model, trace, prompts) of `add_trace_arguments`' arguments."""
+    config = ModelConfig.preset(args.model)
+    model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    trace = make_trace(args.num_requests, **(SHAREGPT if args.trace == "sharegpt" else ALPACA),
+                       seed=0)
+    return config, model, trace, trace_prompts(trace, config.vocab_size)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="jpaged vs torch backends on one trace")
+    add_trace_arguments(parser)
     parser.add_argument("--contiguous-k", type=int, default=8)
     parser.add_argument("--roofline-batches", type=lambda s: [int(x) for x in s.split(",")],
                         default=list(roofline.BATCHES))
@@ -309,11 +323,7 @@ def main(argv=None):
     on_gpu = jax.default_backend() == "gpu"
     bandwidth = roofline.copy_bandwidth(4 << 30 if on_gpu else 64 << 20)
     flop_rate = roofline.matmul_rate(8192 if on_gpu else 512)
-    config = ModelConfig.preset(args.model)
-    model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
-    trace = make_trace(args.num_requests, **(SHAREGPT if args.trace == "sharegpt" else ALPACA),
-                       seed=0)
-    prompts = trace_prompts(trace, config.vocab_size)
+    config, model, trace, prompts = model_and_trace(args)
     print(f"trace: {len(trace)} requests, {sum(r.output_len for r in trace)} output tokens",
           flush=True)
 
