@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _validate
 from pallas_kernels.gpu import decode as triton_decode
+from pallas_kernels.gpu import matmul as triton_matmul
 from pallas_kernels.reference import (_precision, apply_rotary, check_packed_heads,
                                       check_page_layout, write_to_pages)
 
@@ -152,6 +153,50 @@ def _token_rows_backward(settings, residuals, cotangent):
 
 
 _token_rows.defvjp(_token_rows_forward, _token_rows_backward)
+
+
+def matmul(x, w, *, transposed=False, precision=None, out_dtype=None, kernel=None,
+           interpret=False):
+    """x [T, I] @ w [I, O] (w [O, I] when `transposed`) -> [T, O] in out_dtype (None: x's), each
+    row's result independent of the other rows: one launch of the fixed-tiling Triton GEMM
+    (`pallas_kernels.gpu.matmul`) where `kernel` is True or, when None, on a GPU; else XLA's dot
+    over tiles of `TILE_ROWS` rows (`map_tiles`). precision: a `jax.lax.Precision` of float32
+    dots (None: the dot's default; the GEMM then runs HIGHEST). The two paths differ in the last
+    bits; a process takes one. Differentiable (the GEMM's gradient is XLA's dots')."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, I], got shape {x.shape}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    use_kernel = (jax.default_backend() == "gpu") if kernel is None else kernel
+    if use_kernel:
+        return _gemm(x, w, (transposed, precision, out_dtype, interpret))
+    subscripts = "ti,oi->to" if transposed else "ti,io->to"
+    return map_tiles(lambda tile: jnp.einsum(subscripts, tile, w, precision=precision,
+                                             preferred_element_type=out_dtype), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gemm(x, w, settings):
+    """The GEMM path; settings: (transposed, precision, out_dtype, interpret)."""
+    transposed, precision, out_dtype, interpret = settings
+    return triton_matmul.matmul(x, w, transposed=transposed, precision=precision,
+                                out_dtype=out_dtype, interpret=interpret)
+
+
+def _gemm_forward(x, w, settings):
+    return _gemm(x, w, settings), (x, w)
+
+
+def _gemm_backward(settings, residuals, cotangent):
+    x, w = residuals
+    transposed, precision = settings[:2]
+    dot = functools.partial(jnp.einsum, precision=precision,
+                            preferred_element_type=jnp.float32)
+    dx = dot("to,oi->ti" if transposed else "to,io->ti", cotangent, w)
+    dw = dot("to,ti->oi", cotangent, x) if transposed else dot("ti,to->io", x, cotangent)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_gemm.defvjp(_gemm_forward, _gemm_backward)
 
 
 def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads,

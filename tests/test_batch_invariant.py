@@ -235,6 +235,65 @@ def test_map_rows_is_the_function_and_independent_of_the_row_count():
     assert [leaf.shape for leaf in empty] == [(3, 192), (3, 0)]
 
 
+# The two paths of the mode's matmul: XLA's dot in row tiles, and the Triton GEMM of one fixed
+# tiling over every row (compiled on a GPU, in the Pallas interpreter elsewhere).
+MATMUL_PATHS = {"tiles": dict(kernel=False),
+                "triton": dict(kernel=True, interpret=jax.default_backend() != "gpu")}
+
+
+@pytest.mark.parametrize("path", MATMUL_PATHS)
+@pytest.mark.parametrize("dtype, transposed", [(jnp.float32, False), (jnp.float32, True),
+                                               (jnp.bfloat16, False)])
+def test_matmul_is_the_product_and_independent_of_the_row_count(path, dtype, transposed):
+    """x @ w within float32 rounding of the exact product (an I axis of 100: one full step of
+    64 and a masked one; 72 output columns: a masked column block); a row's result bitwise the
+    same alone, among 5, 64 (one row block), 65 and 130 rows, wherever it sits."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((130, 100)), dtype)
+    w = jnp.asarray(rng.standard_normal((72, 100) if transposed else (100, 72)), dtype)
+    matmul = functools.partial(batch_invariant.matmul, transposed=transposed,
+                               precision=jax.lax.Precision.HIGHEST, out_dtype=jnp.float32,
+                               **MATMUL_PATHS[path])
+    whole = np.asarray(matmul(x, w))
+    exact = np.asarray(x, np.float64) @ np.asarray(w.T if transposed else w, np.float64)
+    np.testing.assert_allclose(whole, exact, rtol=1e-5, atol=1e-4)
+    for count in (1, 5, 64, 65):
+        assert np.array_equal(np.asarray(matmul(x[:count], w)), whole[:count])
+        assert np.array_equal(np.asarray(matmul(jnp.roll(x[:count], -1, axis=0), w))[-1],
+                              whole[0])
+    in_model_dtype = np.asarray(batch_invariant.matmul(x, w, transposed=transposed,
+                                                       **MATMUL_PATHS[path]))
+    assert in_model_dtype.dtype == dtype
+    rounded = np.asarray(jnp.asarray(whole).astype(dtype))
+    if path == "triton":   # the GEMM rounds its float32 sums once, at the end
+        assert np.array_equal(in_model_dtype, rounded)
+    else:                  # XLA picks the dot's algorithm for its output type too
+        np.testing.assert_allclose(in_model_dtype.astype(np.float32),
+                                   rounded.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_matmul_path_and_gradient():
+    """The GEMM is taken on a GPU by default; its gradient is the dot's (a trainer
+    differentiates the training forward through it)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((9, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 48)), jnp.float32)
+    if jax.default_backend() != "gpu":
+        assert "pallas_call" not in str(jax.make_jaxpr(batch_invariant.matmul)(x, x.T))
+    weights = jnp.linspace(-1.0, 1.0, 9 * 40).reshape(9, 40)
+
+    def loss(x, w, path):
+        return jnp.sum(batch_invariant.matmul(x, w, transposed=True, precision="highest",
+                                              **MATMUL_PATHS[path]) * weights)
+
+    expected = jax.grad(lambda x, w: jnp.sum(jnp.dot(x, w.T, precision="highest") * weights),
+                        argnums=(0, 1))(x, w)
+    for path in MATMUL_PATHS:
+        for grad, want in zip(jax.grad(loss, argnums=(0, 1))(x, w, path), expected,
+                              strict=True):
+            np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_triton_path_is_taken_on_a_gpu_where_it_can_run():
     k_pages, _ = _pages(dtype=jnp.bfloat16)
     q = jnp.zeros((3, 4, 32), jnp.bfloat16)

@@ -14,8 +14,10 @@ import jax
 
 import pallas_kernels
 from jpaged import parallel
-# The batch-invariant attention's row tiles, which the mode's row-wise parts share (`row_tiles`).
+# The batch-invariant attention's row tiles and matmul, which the mode's row-wise parts share
+# (`row_tiles`).
 from pallas_kernels.batch_invariant import TILE_ROWS, map_tiles  # noqa: F401
+from pallas_kernels.batch_invariant import matmul as invariant_matmul  # noqa: F401
 
 BACKENDS = pallas_kernels.BACKENDS
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.models import packing
+from jpaged.models import packing, row_tiles
 
 
 # A model's matmul precisions by name (the `matmul_precision` option's values, less "auto"), as
@@ -70,9 +70,10 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(weight.T)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
-    def __call__(self, x, precision: str = "default"):
-        """x [..., in] -> [..., out]; precision: a `DOT_PRECISIONS` name."""
-        y = jnp.einsum("...i,io->...o", x, self.weight[...], precision=DOT_PRECISIONS[precision])
+    def __call__(self, x, precision: str = "default", rows=row_tiles.WHOLE):
+        """x [..., in] -> [..., out]; precision: a `DOT_PRECISIONS` name; rows: how the matmul
+        runs over the rows (`row_tiles.runner`)."""
+        y = rows.matmul(x, self.weight[...], DOT_PRECISIONS[precision])
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -152,14 +153,19 @@ class GatedMLP(nnx.Module):
             packing=gate_up_packing or packing.gate_up_packing(intermediate_size, shards))
         self.down_proj = Linear(intermediate_size, hidden_size, **kwargs)
 
-    def __call__(self, x, precision: str = "default"):
-        """x [..., E] -> [..., E]; precision: the projections' (a `DOT_PRECISIONS` name)."""
-        lead = x.shape[:-1]
-        gate_up = self.gate_up_proj(x, precision)
+    def __call__(self, x, precision: str = "default", rows=row_tiles.WHOLE):
+        """x [..., E] -> [..., E]; precision: the projections' (a `DOT_PRECISIONS` name); rows:
+        how the matmuls and the gating run over the rows (`row_tiles.runner`)."""
+        gate_up = self.gate_up_proj(x, precision, rows)
+        return self.down_proj(rows(self._gated, gate_up), precision, rows)
+
+    def _gated(self, gate_up):
+        """[..., 2F] (packed) -> act(gate) * up [..., F]."""
+        lead = gate_up.shape[:-1]
         gate_up = gate_up.reshape(*lead, self.blocks, 2, -1)               # [..., P, 2, F/P]
         gate = gate_up[..., 0, :].reshape(*lead, -1)                       # [..., F]
         up = gate_up[..., 1, :].reshape(*lead, -1)
-        return self.down_proj(ACTIVATIONS[self.activation](gate) * up, precision)
+        return ACTIVATIONS[self.activation](gate) * up
 
 
 def rotary_cos_sin(positions, inv_frequencies: np.ndarray):

@@ -53,13 +53,16 @@ class LlamaAttention(nnx.Module):
         self.q_norm = rms_norm(self.head_dim, config, dtype) if has_norms else None
         self.k_norm = rms_norm(self.head_dim, config, dtype) if has_norms else None
 
-    def packed_heads(self, x, precision: str = "default"):
+    def packed_heads(self, x, precision: str = "default", rows=row_tiles.WHOLE):
         """x [..., E] -> the packed projection as [..., P, H/P + 2C/P, D]: per shard, its query
         heads, then its cache kv heads' keys, then their values (`packing.qkv_packing`); query
         and key heads normed when the model norms them. precision: the projection's."""
-        qkv = self.qkv_proj(x, precision).reshape(*x.shape[:-1], self.shards, -1, self.head_dim)
-        if self.q_norm is None:
-            return qkv
+        qkv = self.qkv_proj(x, precision, rows).reshape(
+            *x.shape[:-1], self.shards, -1, self.head_dim)
+        return qkv if self.q_norm is None else rows(self._normed_heads, qkv)
+
+    def _normed_heads(self, qkv):
+        """Qwen3's per-head norms of q and k ([..., P, H/P + 2C/P, D] packed, v as it is)."""
         local_q, local_kv = self.num_heads // self.shards, self.num_cache_kv_heads // self.shards
         q, k, v = jnp.split(qkv, [local_q, local_q + local_kv], axis=-2)
         return jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=-2)
@@ -75,12 +78,12 @@ class LlamaAttention(nnx.Module):
         return heads(0, local_q), heads(local_q, local_kv), heads(local_q + local_kv, local_kv)
 
     def __call__(self, x, cos, sin, cache: kv.KVCache, metadata: AttentionMetadata,
-                 precision: str, rows=row_tiles.whole):
+                 precision: str, rows=row_tiles.WHOLE):
         """x [T, E], cos/sin [T, D] -> ([T, E], cache with this step's K/V written);
         precision: of the projections and attention's dots (a `DOT_PRECISIONS` name);
         rows: how the projections run over the tokens (`row_tiles.runner`)."""
         num_tokens = x.shape[0]
-        qkv = rows(lambda h: self.packed_heads(h, precision), x)
+        qkv = self.packed_heads(x, precision, rows)
         q, cache = kv.rotate_and_write_layer(                                  # q [T, H, D]
             cache, self.layer_index, qkv, cos, sin,
             metadata.slot_mapping, backend=metadata.backend, interpret=metadata.interpret,
@@ -89,7 +92,7 @@ class LlamaAttention(nnx.Module):
                               metadata, scale=self.scale, mesh=self.mesh,
                               sliding_window=self.sliding_window,
                               logits_soft_cap=self.logits_soft_cap, precision=precision)
-        return rows(lambda o: self.o_proj(o, precision), out.reshape(num_tokens, -1)), cache
+        return self.o_proj(out.reshape(num_tokens, -1), precision, rows), cache
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -102,11 +105,11 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = rms_norm(config.hidden_size, config, dtype)
         self.mlp = _mlp(config, layer_index, dtype, rngs, mesh)
 
-    def __call__(self, x, cos, sin, cache, metadata, precision, rows=row_tiles.whole):
+    def __call__(self, x, cos, sin, cache, metadata, precision, rows=row_tiles.WHOLE):
         attn_out, cache = self.self_attn(rows(self.input_layernorm, x), cos, sin, cache,
                                          metadata, precision, rows)
         x = x + attn_out
-        return x + rows(lambda h: self.mlp(self.post_attention_layernorm(h), precision), x), cache
+        return x + self.mlp(rows(self.post_attention_layernorm, x), precision, rows), cache
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -122,12 +125,12 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = _mlp(config, layer_index, dtype, rngs, mesh)
         self.post_feedforward_layernorm = rms_norm(config.hidden_size, config, dtype)
 
-    def __call__(self, x, cos, sin, cache, metadata, precision, rows=row_tiles.whole):
+    def __call__(self, x, cos, sin, cache, metadata, precision, rows=row_tiles.WHOLE):
         attn_out, cache = self.self_attn(rows(self.input_layernorm, x), cos, sin, cache,
                                          metadata, precision, rows)
         x = x + rows(self.post_attention_layernorm, attn_out)
-        mlp_out = rows(lambda h: self.post_feedforward_layernorm(
-            self.mlp(self.pre_feedforward_layernorm(h), precision)), x)
+        mlp_out = rows(self.post_feedforward_layernorm,
+                       self.mlp(rows(self.pre_feedforward_layernorm, x), precision, rows))
         return x + mlp_out, cache
 
 
@@ -168,7 +171,7 @@ class LlamaModel(nnx.Module):
         """The first layer's inverse frequencies [D/2] (tools/train_tiny.py's dense rotation)."""
         return self.rotaries[self.rotary_of_layer[0]].inv_frequencies
 
-    def __call__(self, token_ids, positions, cache, metadata, precision, rows=row_tiles.whole):
+    def __call__(self, token_ids, positions, cache, metadata, precision, rows=row_tiles.WHOLE):
         """rows: how row-wise parts run over the tokens (`row_tiles.runner`)."""
         x = self.embed_tokens(token_ids)                                # [T, E]
         if self.embedding_scale is not None:
@@ -215,20 +218,23 @@ class LlamaForCausalLM(nnx.Module):
         Returns (hidden [T, E] in the parameter dtype, after the final norm; the new KVCache).
         """
         return self.model(token_ids, positions, kv_cache, metadata, self.matmul_precision,
-                          row_tiles.runner(self.batch_invariant))
+                          self.rows)
+
+    @property
+    def rows(self) -> row_tiles.Rows:
+        """How this model runs its row-wise parts (`row_tiles.runner`)."""
+        return row_tiles.runner(self.batch_invariant, self.mesh)
 
     def compute_logits(self, hidden):
         """hidden [..., E] -> logits [..., V] in float32 (accumulated in float32), soft-capped
         by c * tanh(logits / c) when the model caps them (Gemma 2)."""
-        return row_tiles.map_flat_rows(self._logits, hidden, self.batch_invariant)
-
-    def _logits(self, hidden):
+        rows = self.rows
         weight = (self.model.embed_tokens.weight if self.lm_head is None
                   else self.lm_head.weight)[...]                          # [V, E]
-        logits = jnp.einsum("...e,ve->...v", hidden, weight, preferred_element_type=jnp.float32,
-                            precision=DOT_PRECISIONS[self.matmul_precision])
+        logits = rows.matmul(hidden, weight, DOT_PRECISIONS[self.matmul_precision],
+                             transposed=True, out_dtype=jnp.float32)
         cap = self.final_logit_softcapping
-        return logits if cap is None else cap * jnp.tanh(logits / cap)
+        return logits if cap is None else rows.flat(lambda z: cap * jnp.tanh(z / cap), logits)
 
 
 def with_matmul_precision(model: LlamaForCausalLM, matmul_precision: str,

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec
 
 from jpaged import parallel
 from jpaged.config import ModelConfig
+from jpaged.models import row_tiles
 from jpaged.models.layers import ACTIVATIONS, DOT_PRECISIONS, normal
 
 
@@ -81,8 +82,12 @@ class SparseMoE(nnx.Module):
         return (jnp.take_along_axis(expert_ids, order, axis=-1).astype(jnp.int32),
                 jnp.take_along_axis(weights, order, axis=-1))
 
-    def __call__(self, x, precision: str = "default"):
-        """x [T, E] -> [T, E]; precision: the matmuls' (a `DOT_PRECISIONS` name)."""
+    def __call__(self, x, precision: str = "default", rows=row_tiles.WHOLE):
+        """x [T, E] -> [T, E]; precision: the matmuls' (a `DOT_PRECISIONS` name). rows: the
+        layers' runner (`row_tiles.runner`); only `WHOLE`, as the batch-invariant mode refuses
+        mixtures of experts (their grouped matmuls group tokens by expert)."""
+        if rows.is_tiled:
+            raise ValueError("a mixture of experts cannot run in the batch-invariant mode")
         num_tokens, k = x.shape[0], self.top_k
         expert_ids, weights = self.route(x, precision)
         flat = expert_ids.reshape(-1)                                      # [T*k]

@@ -1,17 +1,24 @@
-"""Row tiles: the batch-invariant mode's way of running a row-wise function.
+"""Row tiles: the batch-invariant mode's way of running a model's row-wise parts.
 
 XLA picks a matmul's or a reduction's algorithm from its shape, so row 0 of `x @ w` changes in
 the last bits when x has 3 rows rather than 1 (a CPU's gemv against its gemm), and a row's
-log-softmax over a small vocabulary when the batch grows past 16. Mapping the function over
-fixed tiles of `TILE_ROWS` rows (`lax.map`, never merged back into one op, each tile fenced by
-optimization barriers so that no compiler fuses it with what the program does around it) gives
-every row the computation of one shape, whatever the number of rows: a row's result then depends
-on the row alone. The batch-invariant engine (`batch_invariant=True`) runs every row-wise part of
-the model and the sampler so (the rotary tables too); attention, which mixes a token with its
-keys, has its own kernel (`pallas_kernels.batch_invariant`).
+log-softmax over a small vocabulary when the batch grows past 16. A `Rows` runner gives every row
+the computation of one shape, whatever the number of rows, so a row's result depends on the row
+alone: a row-wise function runs over fixed tiles of `TILE_ROWS` rows (`lax.map`, never merged
+back into one op, each tile fenced by optimization barriers so that no compiler fuses it with
+what the program does around it), and a matmul is `pallas_kernels.batch_invariant.matmul` (on a
+GPU one launch of a GEMM of fixed tiling over every row, so the weights are read once however
+many rows there are; elsewhere XLA's dot over the same tiles). The batch-invariant engine
+(`batch_invariant=True`) runs every row-wise part of the model and the sampler so (the rotary
+tables too); attention, which mixes a token with its keys, has its own kernel
+(`pallas_kernels.batch_invariant`). The default mode's runner, `WHOLE`, is the plain ops.
 """
 
-from jpaged.models.attention import TILE_ROWS, map_tiles
+import dataclasses
+
+import jax.numpy as jnp
+
+from jpaged.models.attention import TILE_ROWS, invariant_matmul, map_tiles
 
 # The mode's compiler options (GPU options; other backends ignore them), for the engine's programs
 # and a trainer's jit of the training forward alike: every matmul on cuBLAS (XLA would pick its
@@ -29,19 +36,44 @@ def map_rows(fn, *rows, tile_rows: int = TILE_ROWS):
     return map_tiles(fn, *rows, tile_rows=tile_rows)
 
 
-def whole(fn, *rows):
-    """fn(*rows) as one computation over all rows (the default mode)."""
-    return fn(*rows)
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """How a model runs its row-wise parts over T tokens. `rows(fn, *x)` runs a row-wise fn
+    (no matmul inside: matmuls go through `rows.matmul`) whole or in tiles (`map_rows`).
+
+    is_tiled: the batch-invariant mode. kernel: its matmuls' path (None: the Triton GEMM on a
+    GPU; False: XLA's dot in tiles, e.g. for weights sharded over a mesh, which one kernel
+    launch cannot take)."""
+    is_tiled: bool = False
+    kernel: bool | None = None
+
+    def __call__(self, fn, *rows):
+        return map_rows(fn, *rows) if self.is_tiled else fn(*rows)
+
+    def flat(self, fn, x):
+        """fn over x [..., E] row by row (the leading axes flattened into rows when tiled)."""
+        if not self.is_tiled:
+            return fn(x)
+        out = map_rows(fn, x.reshape(-1, x.shape[-1]))
+        return out.reshape(*x.shape[:-1], *out.shape[1:])
+
+    def matmul(self, x, weight, precision, *, transposed: bool = False, out_dtype=None):
+        """x [..., I] @ weight [I, O] (weight [O, I] when transposed) -> [..., O], in out_dtype
+        (None: the dot's own); precision: a `jax.lax.Precision` or None."""
+        if not self.is_tiled:
+            return jnp.einsum("...i,oi->...o" if transposed else "...i,io->...o", x, weight,
+                              precision=precision, preferred_element_type=out_dtype)
+        out = invariant_matmul(x.reshape(-1, x.shape[-1]), weight, transposed=transposed,
+                               precision=precision, out_dtype=out_dtype, kernel=self.kernel)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def runner(batch_invariant: bool):
-    """How a model in this mode runs its row-wise functions: `map_rows` or `whole`."""
-    return map_rows if batch_invariant else whole
+WHOLE = Rows()  # the default mode: each part one computation over all rows
 
 
-def map_flat_rows(fn, x, batch_invariant: bool):
-    """fn over x [..., E] row by row (the leading axes flattened into rows when tiled)."""
+def runner(batch_invariant: bool, mesh=None) -> Rows:
+    """The runner of a model in this mode: `WHOLE`, or tiles (matmuls in tiles of XLA's dot
+    where the weights are sharded over a tensor-parallel `mesh`, else the GEMM on a GPU)."""
     if not batch_invariant:
-        return fn(x)
-    out = map_rows(fn, x.reshape(-1, x.shape[-1]))
-    return out.reshape(*x.shape[:-1], *out.shape[1:])
+        return WHOLE
+    return Rows(is_tiled=True, kernel=None if mesh is None else False)
