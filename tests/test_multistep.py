@@ -209,7 +209,7 @@ jax.monitoring.register_event_duration_secs_listener(_record_compile_event)
 
 def check_no_compilation_after_warmup(hf_checkpoints, tmp_path):
     eng = LLMEngine.from_pretrained(
-        hf_checkpoints["llama_gqa"], num_kv_blocks=128, max_model_len=128, max_num_seqs=16,
+        hf_checkpoints["llama_gqa"], num_kv_blocks=128, max_model_len=128, max_num_seqs=8,
         max_num_batched_tokens=64, num_scheduler_steps=4, warmup=True, strict_compilation=True,
         async_scheduling=True, compilation_cache_dir=str(tmp_path / "xla_cache"))
     compiled = eng.stats()["num_compilations"]
