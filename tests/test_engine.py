@@ -132,10 +132,15 @@ def test_small_pool_preempts_and_gives_the_same_greedy_outputs(hf_checkpoints):
     path = hf_checkpoints["llama_gqa"]
     prompts = prompts_of([30, 25, 20, 35, 12, 28], seed=4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    big = LLM(path, num_kv_blocks=128, max_model_len=128, max_num_seqs=8)
+    # The reference: each prompt alone in a pool of the same size (one fits, nothing is
+    # preempted), so both engines share their programs.
+    one_at_a_time = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8,
+                        preemption_mode="recompute")
+    expected = [one_at_a_time.generate(prompt_token_ids=[prompt], sampling_params=params,
+                                       use_tqdm=False)[0] for prompt in prompts]
+    assert one_at_a_time.stats()["num_preemptions"] == 0
     small = LLM(path, num_kv_blocks=12, max_model_len=128, max_num_seqs=8,
                 preemption_mode="recompute")
-    expected = big.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     got = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert small.stats()["num_preemptions"] > 0
