@@ -6,6 +6,12 @@ roofline.time_decode_step, the one-iteration decode loop launched back to back) 
 sizes, and the e2e trace at each K (part "e2e": benchmarks/e2e.py's jpaged run, all requests at
 time 0, the second of two passes through one engine timed).
 
+The matmuls alone (part "matmul"): each of the model's weight shapes (a layer's qkv, o, gate_up
+and down projections, the logits' [V, E]) at --matmul-rows rows, as the default mode runs them
+(XLA's dot over all rows), as the mode ran them before (XLA's dot in row tiles of 64) and as it
+runs them now (the fixed-tiling Triton GEMM, one launch), medians over rotating weight copies
+larger than the L2 cache.
+
 Determinism: the trace's first --det-requests requests (outputs capped at --det-max-tokens),
 sampled (temperature 1, a seed per request, the sampled token's logprob), run --det-runs times
 through fresh batch-invariant engines that differ in how they batch: K = 8, the same again,
@@ -23,12 +29,15 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import e2e, hf_backends, roofline  # noqa: E402
+from benchmarks import e2e, hf_backends, roofline, timing  # noqa: E402
 from jpaged import SamplingParams  # noqa: E402
+from jpaged.models.row_tiles import COMPILER_OPTIONS  # noqa: E402
+from pallas_kernels import batch_invariant  # noqa: E402
 
 MODES = {"default": False, "batch-invariant": True}
 # How each determinism run batches (engine options over the e2e budget's).
@@ -66,6 +75,53 @@ def step_cost(model, args, log=print) -> list:
             rows.append(dict(mode=mode, **step))
             log(f"decode step {mode} batch {batch}: {step['seconds'] * 1e3:.2f} ms", flush=True)
         del engine
+        gc.collect()
+    return rows
+
+
+def weight_shapes(config) -> dict:
+    """name -> (weight shape, transposed) of one layer's projections and the logits."""
+    heads = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    hidden, inner = config.hidden_size, config.intermediate_size
+    return {"qkv": ((hidden, heads), False),
+            "o": ((config.num_attention_heads * config.head_dim, hidden), False),
+            "gate_up": ((hidden, 2 * inner), False), "down": ((inner, hidden), False),
+            "logits": ((config.vocab_size, hidden), True)}
+
+
+MATMUL_WAYS = {   # name -> (jit options, batch_invariant.matmul's path or None for XLA's dot)
+    "dot": ({}, None), "tiles of 64": (dict(compiler_options=COMPILER_OPTIONS), False),
+    "GEMM": ({}, True)}
+
+
+def matmul_cost(model, args, log=print) -> list:
+    """Seconds of each weight shape's matmul at each of --matmul-rows rows, each way."""
+    rows, key = [], jax.random.PRNGKey(0)
+    dtype = model.dtype
+    for name, (shape, transposed) in weight_shapes(model.config).items():
+        copies = max(2, -(-(64 << 20) // (np.prod(shape) * dtype.itemsize)) + 1)
+        weights = [jax.random.normal(jax.random.fold_in(key, i), shape, dtype)
+                   for i in range(copies)]
+        out_dtype = jnp.float32 if transposed else dtype
+        for count in args.matmul_rows:
+            x = jax.random.normal(key, (count, shape[1] if transposed else shape[0]), dtype)
+            row = dict(shape=name, rows=count, weight=shape)
+            for way, (options, kernel) in MATMUL_WAYS.items():
+                if kernel is None:
+                    fn = (lambda x, w: jnp.einsum("ti,oi->to", x, w,
+                                                  preferred_element_type=out_dtype)) \
+                        if transposed else (lambda x, w: jnp.dot(x, w,
+                                                                 preferred_element_type=out_dtype))
+                else:
+                    fn = (lambda x, w, kernel=kernel: batch_invariant.matmul(
+                        x, w, transposed=transposed, out_dtype=out_dtype, kernel=kernel))
+                row[way] = timing.median_dispatch_seconds(
+                    jax.jit(fn, **options), [(x, w) for w in weights],
+                    wait=jax.block_until_ready)
+            rows.append(row)
+            log(f"matmul {name} x {count}: " + ", ".join(
+                f"{way} {row[way] * 1e6:.1f} us" for way in MATMUL_WAYS), flush=True)
+        del weights
         gc.collect()
     return rows
 
@@ -117,8 +173,18 @@ def determinism(model, trace, prompts, args, log=print) -> list[dict]:
     return rows
 
 
-def tables(e2e_rows, step_rows, det_rows) -> str:
+def tables(e2e_rows, step_rows, det_rows, matmul_rows=()) -> str:
     text = ""
+    if matmul_rows:
+        ways = list(MATMUL_WAYS)
+        lines = ["| weight | rows | " + " | ".join(f"{way} us" for way in ways)
+                 + " | GEMM / dot | GEMM / tiles |", "|---|---:|" + "---:|" * (len(ways) + 2)]
+        for row in matmul_rows:
+            lines.append(f"| {row['shape']} {row['weight'][0]}x{row['weight'][1]} | "
+                         f"{row['rows']} | " + " | ".join(f"{row[way] * 1e6:.1f}" for way in ways)
+                         + f" | {row['GEMM'] / row['dot']:.2f}x"
+                         f" | {row['GEMM'] / row['tiles of 64']:.2f}x |")
+        text += "Matmuls, device time per call:\n\n" + "\n".join(lines) + "\n\n"
     if e2e_rows:
         lines = ["| K | default tokens/s | batch-invariant tokens/s | invariant / default time |",
                  "|---:|---:|---:|---:|"]
@@ -160,7 +226,9 @@ def main(argv=None):
     parser.add_argument("--det-runs", type=int, default=len(DETERMINISM_RUNS))
     parser.add_argument("--det-max-tokens", type=int, default=1 << 20,
                         help="cap each determinism request's output (the trace's length else)")
-    parser.add_argument("--parts", default="steps,e2e,determinism")
+    parser.add_argument("--matmul-rows", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[8, 64, 256, 2048])
+    parser.add_argument("--parts", default="matmul,steps,e2e,determinism")
     parser.add_argument("--tail-seqs", type=int, default=16)
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args(argv)
@@ -169,6 +237,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     _, model, trace, prompts = e2e.model_and_trace(args)
     parts = set(args.parts.split(","))
+    matmul_rows = matmul_cost(model, args) if "matmul" in parts else []
     step_rows = step_cost(model, args) if "steps" in parts else []
     e2e_rows = e2e_cost(model, trace, prompts, args) if "e2e" in parts else []
     det_rows = determinism(model, trace, prompts, args) if "determinism" in parts else []
@@ -176,7 +245,7 @@ def main(argv=None):
             + f"model {args.model}, random {args.dtype} weights, {args.trace} trace of {len(trace)} "
             f"requests, KV "
             f"budget {args.budget_seqs} x {args.max_model_len} tokens; {jax.devices()[0]}\n\n"
-            + tables(e2e_rows, step_rows, det_rows))
+            + tables(e2e_rows, step_rows, det_rows, matmul_rows))
     (out_dir / "batch_invariant.md").write_text(text)
     print(text)
 
