@@ -280,6 +280,9 @@ def test_matmul_path_and_gradient():
     w = jnp.asarray(rng.standard_normal((40, 48)), jnp.float32)
     if jax.default_backend() != "gpu":
         assert "pallas_call" not in str(jax.make_jaxpr(batch_invariant.matmul)(x, x.T))
+    assert row_tiles.runner(False) is row_tiles.WHOLE
+    assert row_tiles.runner(True) == row_tiles.Rows(is_tiled=True, kernel=None)
+    assert row_tiles.runner(True, mesh=object()).kernel is False   # sharded weights: tiles
     weights = jnp.linspace(-1.0, 1.0, 9 * 40).reshape(9, 40)
 
     def loss(x, w, path):

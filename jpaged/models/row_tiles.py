@@ -21,10 +21,11 @@ import jax.numpy as jnp
 from jpaged.models.attention import TILE_ROWS, invariant_matmul, map_tiles
 
 # The mode's compiler options (GPU options; other backends ignore them), for the engine's programs
-# and a trainer's jit of the training forward alike: every matmul on cuBLAS (XLA would pick its
-# Triton GEMMs for some shapes: another order of sums), its algorithm chosen by cuBLAS's heuristic
-# from the shape alone (autotuning picks the fastest by timing, which may differ from one
-# compilation, or one process, to the next).
+# and a trainer's jit of the training forward alike: every matmul XLA itself runs (the tiles under
+# a mesh, the GEMM's gradient) on cuBLAS (XLA would pick its Triton GEMMs for some shapes: another
+# order of sums), its algorithm chosen by cuBLAS's heuristic from the shape alone (autotuning
+# picks the fastest by timing, which may differ from one compilation, or one process, to the
+# next).
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
