@@ -170,7 +170,8 @@ OPTIONS: tuple[Option, ...] = (
            "logprobs and seeded tokens do not change with what else is batched, how its prompt "
            "is chunked, prefix-cache hits, preemption or num_scheduler_steps, and equal "
            "jpaged.models.sequence_logprobs (the training forward); every row-wise op runs in "
-           "fixed tiles of rows and attention in one key order (slower; not for "
+           "fixed tiles of rows, every matmul in one fixed tiling and attention in one key order "
+           "(slower; not for "
            "mixture-of-experts models)", boolean),
     Option("num_scheduler_steps", int, 1, "decode steps run on the device per scheduler step "
            "(multi-step decoding); a waiting request joins at once", positive_int),
