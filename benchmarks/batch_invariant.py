@@ -12,6 +12,11 @@ and down projections, the logits' [V, E]) at --matmul-rows rows, as the default 
 runs them now (the fixed-tiling Triton GEMM, one launch), medians over rotating weight copies
 larger than the L2 cache.
 
+Where the device time goes (part "profile"): one decode loop at each of --step-batches and one
+prompt of --profile-prompt tokens in both modes under `jax.profiler`, the GPU's kernel time
+grouped by kernel (names without their numeric suffixes), the heaviest first, and the number of
+kernels each runs.
+
 Determinism: the trace's first --det-requests requests (outputs capped at --det-max-tokens),
 sampled (temperature 1, a seed per request, the sampled token's logprob), run --det-runs times
 through fresh batch-invariant engines that differ in how they batch: K = 8, the same again,
@@ -23,8 +28,11 @@ Usage: python benchmarks/batch_invariant.py --model llama3-8b --out-dir results/
 """
 
 import argparse
+import collections
 import gc
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import e2e, hf_backends, roofline, timing  # noqa: E402
+from benchmarks import e2e, hf_backends, multistep, roofline, timing  # noqa: E402
 from jpaged import SamplingParams  # noqa: E402
 from jpaged.models.row_tiles import COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels import batch_invariant  # noqa: E402
@@ -58,7 +66,8 @@ def e2e_cost(model, trace, prompts, args, log=print) -> list:
             result, _ = e2e.run_jpaged(model, trace, prompts, args, block_size=16, num_steps=k,
                                        batch_invariant=invariant)
             rows.append(dict(mode=mode, k=k, tokens_per_s=result["output_tokens"]
-                             / result["wall"], wall=result["wall"], note=result["note"]))
+                             / result["wall"], wall=result["wall"], note=result["note"],
+                             steps=result["steps"]))
             log(f"e2e {mode} K={k}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
             gc.collect()
     return rows
@@ -77,6 +86,71 @@ def step_cost(model, args, log=print) -> list:
         del engine
         gc.collect()
     return rows
+
+
+def _kernel_times(fn) -> tuple[collections.Counter, collections.Counter]:
+    """fn() run under `jax.profiler`: (seconds, count) per kernel group on the GPU's streams."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        fn()
+        jax.profiler.stop_trace()
+        lines = multistep.gpu_stream_lines(trace_dir)
+    seconds, counts = collections.Counter(), collections.Counter()
+    for line in lines or ():
+        for event in line.events:
+            group = re.sub(r"([._]\d+)+$", "", event.name)[:60]
+            seconds[group] += (event.end_ns - event.start_ns) * 1e-9
+            counts[group] += 1
+    return seconds, counts
+
+
+def kernel_profile(model, args, log=print) -> list:
+    """Per mode and case (a decode loop at each batch, a prompt): kernel groups by device time,
+    per loop or per prompt."""
+    rows, rng = [], np.random.default_rng(0)
+    prompt_len = args.profile_prompt
+    for mode, invariant in MODES.items():
+        engine = e2e.build_jpaged(model, args, block_size=16,
+                                  max_num_seqs=max(args.step_batches), batch_invariant=invariant)
+
+        def prompt():
+            engine.add_request("profile", prompt_token_ids=rng.integers(
+                0, model.config.vocab_size, prompt_len).tolist(),
+                params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+
+        cases = [(f"prompt of {prompt_len}", prompt, 1)]
+        for batch in args.step_batches:
+            steps = 3
+            loops = 2 + 3 * steps       # time_decode_step's warm-up and its runs
+            cases.append((f"decode batch {batch}", lambda batch=batch, steps=steps:
+                          roofline.time_decode_step(engine, batch, max_context=args.step_context,
+                                                    steps=steps), loops))
+        for case, fn, per in cases:
+            fn()                                             # compile outside the trace
+            seconds, counts = _kernel_times(fn)
+            total = sum(seconds.values()) / per
+            rows.append(dict(mode=mode, case=case, total=total,
+                             kernels=sum(counts.values()) / per,
+                             top=[(group, seconds[group] / per, counts[group] / per)
+                                  for group, _ in seconds.most_common(args.profile_top)]))
+            log(profile_tables(rows[-1:]), flush=True)
+        del engine
+        gc.collect()
+    return rows
+
+
+def profile_tables(rows) -> str:
+    text = "\nDevice time by kernel (per decode loop, per prompt):\n"
+    for row in rows:
+        lines = [f"\n{row['mode']}, {row['case']}: {row['total'] * 1e3:.2f} ms in "
+                 f"{row['kernels']:.0f} kernels\n", "| kernel | ms | launches |",
+                 "|---|---:|---:|"]
+        lines += [f"| `{group}` | {seconds * 1e3:.3f} | {count:.0f} |"
+                  for group, seconds, count in row["top"]]
+        text += "\n".join(lines) + "\n"
+    return text
 
 
 def weight_shapes(config) -> dict:
@@ -173,7 +247,7 @@ def determinism(model, trace, prompts, args, log=print) -> list[dict]:
     return rows
 
 
-def tables(e2e_rows, step_rows, det_rows, matmul_rows=()) -> str:
+def tables(e2e_rows, step_rows, det_rows, matmul_rows=(), tail_seqs=16) -> str:
     text = ""
     if matmul_rows:
         ways = list(MATMUL_WAYS)
@@ -194,6 +268,8 @@ def tables(e2e_rows, step_rows, det_rows, matmul_rows=()) -> str:
                 lines.append(f"| {k} | {rate['default']:.0f} | {rate['batch-invariant']:.0f} | "
                              f"{rate['default'] / rate['batch-invariant']:.2f}x |")
         text += "E2e trace, output tokens/s:\n\n" + "\n".join(lines) + "\n"
+        text += "\nWhere each run's time went (timed pass):\n\n" + e2e.breakdown_table(
+            {f"{row['mode']} K={row['k']}": row for row in e2e_rows}, tail_seqs) + "\n"
     if step_rows:
         lines = ["| batch | context | default ms | batch-invariant ms | ratio |",
                  "|---:|---:|---:|---:|---:|"]
@@ -228,7 +304,10 @@ def main(argv=None):
                         help="cap each determinism request's output (the trace's length else)")
     parser.add_argument("--matmul-rows", type=lambda s: [int(x) for x in s.split(",")],
                         default=[8, 64, 256, 2048])
-    parser.add_argument("--parts", default="matmul,steps,e2e,determinism")
+    parser.add_argument("--profile-prompt", type=int, default=2048)
+    parser.add_argument("--profile-top", type=int, default=12)
+    parser.add_argument("--parts", default="matmul,steps,e2e,determinism",
+                        help="any of matmul, steps, e2e, determinism, profile")
     parser.add_argument("--tail-seqs", type=int, default=16)
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args(argv)
@@ -241,11 +320,13 @@ def main(argv=None):
     step_rows = step_cost(model, args) if "steps" in parts else []
     e2e_rows = e2e_cost(model, trace, prompts, args) if "e2e" in parts else []
     det_rows = determinism(model, trace, prompts, args) if "determinism" in parts else []
+    profile_rows = kernel_profile(model, args) if "profile" in parts else []
     text = ("\n".join(hf_backends.run_lines("batch_invariant.py")) + "\n\n"
             + f"model {args.model}, random {args.dtype} weights, {args.trace} trace of {len(trace)} "
             f"requests, KV "
             f"budget {args.budget_seqs} x {args.max_model_len} tokens; {jax.devices()[0]}\n\n"
-            + tables(e2e_rows, step_rows, det_rows, matmul_rows))
+            + tables(e2e_rows, step_rows, det_rows, matmul_rows, args.tail_seqs)
+            + (profile_tables(profile_rows) if profile_rows else ""))
     (out_dir / "batch_invariant.md").write_text(text)
     print(text)
 

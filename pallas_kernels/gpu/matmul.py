@@ -9,11 +9,12 @@ have one shape whatever the row count, and a row never meets another row's numbe
 row's result is the same in a batch of 1 and of 4,096, and one launch serves every row (the
 batch-invariant mode's row tiles of cuBLAS calls read the weights once per 64 rows instead).
 
-Rows are padded to a multiple of `BLOCK_ROWS` by the wrapper (zeros, cut off again); columns and
-the I axis are masked at their ends, so any shape runs. The grid is (row block, column block),
-row blocks varying fastest: the programs that share a column block of the weight run side by
-side and read it once from memory between them. The plain-jnp oracle is `x @ w` accumulated in
-float32 (the tests' `reference`).
+Rows, columns and the I axis are masked at their ends, so any shape runs with no copy around the
+launch. The grid is (row block, column block), row blocks varying fastest: the programs that
+share a column block of the weight run side by side and read it once from memory between them.
+The tile is 64 x 128 (4 warps, 4 stages): the best of a sweep on an H100 over decode rows
+(8 and 64) and prompt rows (2,048) together (benchmarks/results/batch_invariant_h200.md). The
+plain-jnp oracle is `x @ w` accumulated in float32 (the tests' `reference`).
 """
 
 import functools
@@ -27,34 +28,24 @@ BLOCK_ROWS = 64    # rows per program (Hopper's warp-group MMA is 64 rows tall)
 BLOCK_K = 64       # the reduction's step along I: part of the numbers, never chosen by shape
 NUM_WARPS = 4
 NUM_STAGES = 4
-_NUM_SMS = 132     # H100/H200 SXM: narrower column blocks until the grid fills the card
+BLOCK_COLS = 128   # columns per program
 
 
-def block_cols(num_cols: int) -> int:
-    """The column block bn for a weight of num_cols output columns (its shape alone decides):
-    128, or narrower (down to 32) while a single row block would leave the SMs idle (a decode
-    step's few rows are one row block)."""
-    width = 128
-    while width > 32 and pl.cdiv(num_cols, width) < 2 * _NUM_SMS:
-        width //= 2
-    return width
-
-
-def _matmul_kernel(x_ref, w_ref, out_ref, *, block_cols, transposed, precision):
-    """One (row block, column block) program. x_ref [R', I] (rows padded to BLOCK_ROWS),
-    w_ref [I, O] ([O, I] when transposed), out_ref [R', O]."""
+def _matmul_kernel(x_ref, w_ref, out_ref, *, transposed, precision):
+    """One (row block, column block) program. x_ref [R, I], w_ref [I, O] ([O, I] when
+    transposed), out_ref [R, O]."""
     row_block, col_block = pl.program_id(0), pl.program_id(1)
-    num_in = x_ref.shape[1]
+    num_rows, num_in = x_ref.shape
     num_cols = out_ref.shape[1]
     rows = row_block * BLOCK_ROWS + jnp.arange(BLOCK_ROWS)
-    cols = col_block * block_cols + jnp.arange(block_cols)
-    is_col = cols < num_cols
+    cols = col_block * BLOCK_COLS + jnp.arange(BLOCK_COLS)
+    is_row, is_col = rows < num_rows, cols < num_cols
 
     def step(i, acc):
         ks = i * BLOCK_K + jnp.arange(BLOCK_K)
         is_k = ks < num_in
         x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]],
-                       mask=jnp.broadcast_to(is_k[None, :], (BLOCK_ROWS, BLOCK_K)), other=0)
+                       mask=is_row[:, None] & is_k[None, :], other=0)
         if transposed:
             w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]],
                            mask=is_col[:, None] & is_k[None, :], other=0)        # [bn, k]
@@ -64,9 +55,9 @@ def _matmul_kernel(x_ref, w_ref, out_ref, *, block_cols, transposed, precision):
         return acc + dot_f32(x, w, transpose_b=transposed, precision=precision)
 
     acc = jax.lax.fori_loop(0, pl.cdiv(num_in, BLOCK_K), step,
-                            jnp.zeros((BLOCK_ROWS, block_cols), jnp.float32))
+                            jnp.zeros((BLOCK_ROWS, BLOCK_COLS), jnp.float32))
     plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
-                mask=jnp.broadcast_to(is_col[None, :], (BLOCK_ROWS, block_cols)))
+                mask=is_row[:, None] & is_col[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "precision", "out_dtype",
@@ -87,21 +78,19 @@ def matmul(x, w, *, transposed=False, precision=None, out_dtype=None, interpret=
         raise ValueError(f"x in {x.dtype}, w in {w.dtype}: one dtype for both")
     num_rows = x.shape[0]
     num_cols = w.shape[0] if transposed else w.shape[1]
-    row_blocks = max(1, pl.cdiv(num_rows, BLOCK_ROWS))
-    padded = jnp.pad(x, ((0, row_blocks * BLOCK_ROWS - num_rows), (0, 0)))
-    width = block_cols(num_cols)
-    kernel = functools.partial(_matmul_kernel, block_cols=width, transposed=transposed,
+    if num_rows == 0:
+        return jnp.zeros((0, num_cols), out_dtype or x.dtype)
+    kernel = functools.partial(_matmul_kernel, transposed=transposed,
                                precision=float32_precision(precision))
-    whole = lambda array: pl.BlockSpec(array.shape, lambda m, n: (0, 0))  # noqa: E731
-    out = pl.pallas_call(
+    whole = lambda shape: pl.BlockSpec(shape, lambda m, n: (0, 0))  # noqa: E731
+    return pl.pallas_call(
         kernel,
-        grid=(row_blocks, pl.cdiv(num_cols, width)),   # row blocks fastest: weight tiles shared
-        in_specs=[whole(padded), whole(w)],            # the kernel indexes its own tiles
-        out_specs=pl.BlockSpec((row_blocks * BLOCK_ROWS, num_cols), lambda m, n: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((row_blocks * BLOCK_ROWS, num_cols),
-                                       out_dtype or x.dtype),
+        # row blocks fastest: the programs of one column block share its weight tile
+        grid=(pl.cdiv(num_rows, BLOCK_ROWS), pl.cdiv(num_cols, BLOCK_COLS)),
+        in_specs=[whole(x.shape), whole(w.shape)],     # the kernel indexes its own tiles
+        out_specs=whole((num_rows, num_cols)),
+        out_shape=jax.ShapeDtypeStruct((num_rows, num_cols), out_dtype or x.dtype),
         compiler_params=triton_params(NUM_WARPS, NUM_STAGES),
         interpret=interpret,
         name="jpaged_invariant_matmul",
-    )(padded, w)
-    return out[:num_rows]
+    )(x, w)
