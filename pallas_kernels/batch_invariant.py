@@ -35,9 +35,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _validate
+from pallas_kernels import _validate, reference, row_ops
+from pallas_kernels.gpu import cache_write as triton_cache_write
 from pallas_kernels.gpu import decode as triton_decode
 from pallas_kernels.gpu import matmul as triton_matmul
+from pallas_kernels.gpu import rows as triton_rows
 from pallas_kernels.reference import (_precision, apply_rotary, check_packed_heads,
                                       check_page_layout, write_to_pages)
 
@@ -199,11 +201,85 @@ def _gemm_backward(settings, residuals, cotangent):
 _gemm.defvjp(_gemm_forward, _gemm_backward)
 
 
+def _on_gpu(kernel) -> bool:
+    """Whether a row-wise part takes its GPU kernel: `kernel`, or when None, on a GPU."""
+    return jax.default_backend() == "gpu" if kernel is None else bool(kernel)
+
+
+def rms_norm(x, weight, *, eps, unit_offset=False, kernel=None, interpret=False):
+    """`row_ops.rms_norm` over x [T, E], each row's result independent of the other rows: one
+    launch of the GPU row kernel (`pallas_kernels.gpu.rows`) where `kernel` is True or, when
+    None, on a GPU; else the jnp op over tiles of `TILE_ROWS` rows (`map_tiles`). The two paths
+    differ in the last bits; a process takes one. Differentiable (the kernel's gradient is the
+    jnp op's)."""
+    if _on_gpu(kernel):
+        return _norm_rows(x, weight, (float(eps), unit_offset, interpret))
+    return map_tiles(lambda rows: row_ops.rms_norm(rows, weight, eps=eps,
+                                                   unit_offset=unit_offset), x)
+
+
+def gated(gate_up, *, blocks=1, activation="silu", kernel=None, interpret=False):
+    """`row_ops.gated` over gate_up [T, 2F] -> [T, F], each row's result independent of the other
+    rows; paths as `rms_norm`'s."""
+    if _on_gpu(kernel):
+        return _gated_rows(gate_up, (blocks, activation, interpret))
+    return map_tiles(functools.partial(row_ops.gated, blocks=blocks, activation=activation),
+                     gate_up)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _norm_rows(x, weight, settings):
+    """The kernel path of `rms_norm`; settings: (eps, unit_offset, interpret)."""
+    eps, unit_offset, interpret = settings
+    return triton_rows.rms_norm(x, weight, eps=eps, unit_offset=unit_offset, interpret=interpret)
+
+
+def _norm_rows_forward(x, weight, settings):
+    return _norm_rows(x, weight, settings), (x, weight)
+
+
+def _norm_rows_backward(settings, residuals, cotangent):
+    eps, unit_offset, _ = settings
+    _, pullback = jax.vjp(functools.partial(row_ops.rms_norm, eps=eps, unit_offset=unit_offset),
+                          *residuals)
+    return pullback(cotangent)
+
+
+_norm_rows.defvjp(_norm_rows_forward, _norm_rows_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gated_rows(gate_up, settings):
+    """The kernel path of `gated`; settings: (blocks, activation, interpret)."""
+    blocks, activation, interpret = settings
+    return triton_rows.gated(gate_up, blocks=blocks, activation=activation, interpret=interpret)
+
+
+def _gated_rows_forward(gate_up, settings):
+    return _gated_rows(gate_up, settings), gate_up
+
+
+def _gated_rows_backward(settings, gate_up, cotangent):
+    blocks, activation, _ = settings
+    _, pullback = jax.vjp(functools.partial(row_ops.gated, blocks=blocks,
+                                            activation=activation), gate_up)
+    return pullback(cotangent)
+
+
+_gated_rows.defvjp(_gated_rows_forward, _gated_rows_backward)
+
+
 def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads,
-                     tile_rows=TILE_ROWS):
-    """`reference.rotate_and_write`'s contract, the rotations computed in tiles of tile_rows
-    tokens (`map_tiles`), so a token's rotated query and key never depend on the batch."""
+                     tile_rows=TILE_ROWS, kernel=None, interpret=False):
+    """`reference.rotate_and_write`'s contract, a token's rotated query and key never depending
+    on the batch: on a GPU (or where `kernel` is True) one launch of the Triton rotate-and-write
+    kernel (`pallas_kernels.gpu.cache_write`) pinned to one token per program, so every token
+    meets the same code; else the rotations in tiles of tile_rows tokens (`map_tiles`) and XLA's
+    scatter. Differentiable (the kernel's gradient is the reference's)."""
     num_kv_heads = check_packed_heads(qkv, k_pages, num_heads)
+    if _on_gpu(kernel) and _validate.head_dim_problem(qkv.shape[-1]) is None:
+        return _rotate_write_rows(qkv, cos, sin, k_pages, v_pages, slot_mapping,
+                                  (num_heads, interpret))
     q, k = map_tiles(lambda heads, cos, sin: (
         apply_rotary(heads[:, :num_heads], cos, sin),
         apply_rotary(heads[:, num_heads:num_heads + num_kv_heads], cos, sin)),
@@ -211,6 +287,31 @@ def rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping, *, num_heads
     k_pages, v_pages = write_to_pages(k_pages, v_pages, k, qkv[:, num_heads + num_kv_heads:],
                                       slot_mapping)
     return q, k_pages, v_pages
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _rotate_write_rows(qkv, cos, sin, k_pages, v_pages, slot_mapping, settings):
+    """The kernel path of `rotate_and_write`; settings: (num_heads, interpret)."""
+    num_heads, interpret = settings
+    return triton_cache_write.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slot_mapping,
+                                               num_heads=num_heads, interpret=interpret,
+                                               tokens_per_program=1)
+
+
+def _rotate_write_rows_forward(qkv, cos, sin, k_pages, v_pages, slot_mapping, settings):
+    out = _rotate_write_rows(qkv, cos, sin, k_pages, v_pages, slot_mapping, settings)
+    return out, (qkv, cos, sin, k_pages, v_pages, slot_mapping)
+
+
+def _rotate_write_rows_backward(settings, residuals, cotangent):
+    *arrays, slot_mapping = residuals
+    _, pullback = jax.vjp(functools.partial(reference.rotate_and_write,
+                                            slot_mapping=slot_mapping, num_heads=settings[0]),
+                          *arrays)
+    return (*pullback(cotangent), None)
+
+
+_rotate_write_rows.defvjp(_rotate_write_rows_forward, _rotate_write_rows_backward)
 
 
 def map_tiles(fn, *rows, tile_rows=TILE_ROWS):

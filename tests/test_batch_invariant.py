@@ -17,7 +17,7 @@ from jpaged.engine.builder import decide_engine_config
 from jpaged.models import random_model, row_tiles, sequence_logits, sequence_logprobs
 from jpaged.models.forward import COMPILER_OPTIONS
 from jpaged.options import OptionError, check_options
-from pallas_kernels import batch_invariant, reference
+from pallas_kernels import batch_invariant, reference, row_ops
 
 # Compiled on the GPU by `make test-gpu` as well: the mode's claim is made there too.
 pytestmark = pytest.mark.gpu_suite
@@ -295,6 +295,96 @@ def test_matmul_path_and_gradient():
         for grad, want in zip(jax.grad(loss, argnums=(0, 1))(x, w, path), expected,
                               strict=True):
             np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+
+
+# The two paths of the mode's norms and gating: the jnp ops in row tiles, and the GPU row
+# kernels, one launch over every row (compiled on a GPU, in the Pallas interpreter elsewhere).
+ROW_OPS = {
+    "norm": lambda x, w, **path: batch_invariant.rms_norm(x, w, eps=1e-5, **path),
+    "gemma norm": lambda x, w, **path: batch_invariant.rms_norm(x, w, eps=1e-6,
+                                                                unit_offset=True, **path),
+    "silu, 2 blocks": lambda x, w, **path: batch_invariant.gated(x, blocks=2, **path),
+    "gelu": lambda x, w, **path: batch_invariant.gated(x, activation="gelu_pytorch_tanh",
+                                                       **path),
+}
+ROW_OPS_REFERENCE = {
+    "norm": lambda x, w: row_ops.rms_norm(x, w, eps=1e-5),
+    "gemma norm": lambda x, w: row_ops.rms_norm(x, w, eps=1e-6, unit_offset=True),
+    "silu, 2 blocks": lambda x, w: row_ops.gated(x, blocks=2),
+    "gelu": lambda x, w: row_ops.gated(x, activation="gelu_pytorch_tanh"),
+}
+
+
+@pytest.mark.parametrize("path", MATMUL_PATHS)
+@pytest.mark.parametrize("op", ROW_OPS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norms_and_gating_are_the_ops_and_independent_of_the_row_count(op, path, dtype):
+    """The jnp op in float32 to the dtype's rounding (rows of 80 columns: a masked power-of-two block in the
+    kernel; gating of 2 x 1,100: two output blocks, the second masked); a row's result bitwise
+    the same alone, among 5, 64, 65 and 70 rows, wherever it sits; gradient the op's."""
+    rng = np.random.default_rng(5)
+    width = 80 if "norm" in op else 2200
+    x = jnp.asarray(3 * rng.standard_normal((70, width)), dtype)
+    w = jnp.asarray(rng.standard_normal(80), dtype)
+    run = jax.jit(functools.partial(ROW_OPS[op], **MATMUL_PATHS[path]))
+    whole = np.asarray(run(x, w))
+    assert whole.dtype == dtype
+    # bf16: the jnp ops round each step (a gelu of -3 is 0 there, -0.004 in float32)
+    tolerance = 1e-5 if dtype == jnp.float32 else 4e-2
+    exact = ROW_OPS_REFERENCE[op](x.astype(jnp.float32), w.astype(jnp.float32))
+    np.testing.assert_allclose(whole.astype(np.float32), np.asarray(exact),
+                               rtol=tolerance, atol=tolerance)
+    for count in (1, 5, 64, 65):
+        assert np.array_equal(np.asarray(run(x[:count], w)), whole[:count])
+        assert np.array_equal(np.asarray(run(jnp.roll(x[:count], -1, axis=0), w))[-1],
+                              whole[0])
+    if dtype == jnp.float32:
+        weights = jnp.linspace(-1.0, 1.0, whole.size).reshape(whole.shape)
+        loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * weights)  # noqa: E731
+        grads = jax.grad(loss(run), argnums=(0, 1))(x, w)
+        expected = jax.grad(loss(ROW_OPS_REFERENCE[op]), argnums=(0, 1))(x, w)
+        for grad, want in zip(grads, expected, strict=True):
+            np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", MATMUL_PATHS)
+def test_rotate_and_write_is_the_reference_and_independent_of_the_batch(path):
+    """Rotated queries and written pages as the reference's; a token's rotated query and key
+    bitwise the same alone and among 37 tokens; the kernel path's gradient the reference's."""
+    rng = np.random.default_rng(6)
+    num_heads, num_kv_heads, head_dim, num_tokens = 4, 2, 24, 37
+    qkv = jnp.asarray(rng.standard_normal((num_tokens, num_heads + 2 * num_kv_heads, head_dim)),
+                      jnp.float32)
+    angles = jnp.asarray(rng.uniform(0, 6, (num_tokens, head_dim)), jnp.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    k_pages, v_pages = (jnp.zeros((num_kv_heads, 8, 8, head_dim), jnp.float32),) * 2
+    slots = jnp.asarray(rng.permutation(64)[:num_tokens], jnp.int32).at[3].set(-1)
+    run = jax.jit(functools.partial(batch_invariant.rotate_and_write, num_heads=num_heads,
+                                    **MATMUL_PATHS[path]))
+    q, k_out, v_out = run(qkv, cos, sin, k_pages, v_pages, slots)
+    want = reference.rotate_and_write(qkv, cos, sin, k_pages, v_pages, slots,
+                                      num_heads=num_heads)
+    for got, expected in zip((q, k_out, v_out), want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    token = 5
+    q_alone, k_alone, _ = run(qkv[token:token + 1], cos[token:token + 1], sin[token:token + 1],
+                              k_pages, v_pages, slots[token:token + 1])
+    assert np.array_equal(np.asarray(q_alone)[0], np.asarray(q)[token])
+    slot = int(slots[token])
+    assert np.array_equal(np.asarray(k_alone)[:, slot // 8, slot % 8],
+                          np.asarray(k_out)[:, slot // 8, slot % 8])
+
+    def loss(rotate, qkv, k_pages, v_pages):
+        q, k_out, v_out = rotate(qkv, cos, sin, k_pages, v_pages, slots)
+        return jnp.sum(q * q[::-1]) + jnp.sum(k_out * jnp.roll(v_out, 1, axis=1))
+
+    reference_rotate = functools.partial(reference.rotate_and_write, num_heads=num_heads)
+    grads = jax.grad(functools.partial(loss, run), argnums=(0, 1, 2))(qkv, k_pages + 1,
+                                                                         v_pages - 1)
+    expected = jax.grad(functools.partial(loss, reference_rotate), argnums=(0, 1, 2))(
+        qkv, k_pages + 1, v_pages - 1)
+    for grad, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_triton_path_is_taken_on_a_gpu_where_it_can_run():

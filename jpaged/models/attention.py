@@ -14,10 +14,13 @@ import jax
 
 import pallas_kernels
 from jpaged import parallel
-# The batch-invariant attention's row tiles and matmul, which the mode's row-wise parts share
-# (`row_tiles`).
+from pallas_kernels import row_ops  # noqa: F401  (the models' norms and gating)
+# The batch-invariant attention's row tiles, matmul, norms and gating, which the mode's row-wise
+# parts share (`row_tiles`).
 from pallas_kernels.batch_invariant import TILE_ROWS, map_tiles  # noqa: F401
+from pallas_kernels.batch_invariant import gated as invariant_gated  # noqa: F401
 from pallas_kernels.batch_invariant import matmul as invariant_matmul  # noqa: F401
+from pallas_kernels.batch_invariant import rms_norm as invariant_rms_norm  # noqa: F401
 
 BACKENDS = pallas_kernels.BACKENDS
 

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models import packing, row_tiles
+from jpaged.models.attention import row_ops
 
 
 # A model's matmul precisions by name (the `matmul_precision` option's values, less "auto"), as
@@ -100,40 +101,34 @@ class Embedding(nnx.Module):
 class RMSNorm(nnx.Module):
     """Normalise in float32, cast back, then scale in the input dtype (as transformers does)."""
 
+    unit_offset = False   # scaled by weight (Gemma's: by 1 + weight)
+
     def __init__(self, hidden_size: int, *, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((hidden_size,), dtype))
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
-        return self.weight[...] * normed
+        return row_ops.rms_norm(x, self.weight[...], eps=self.eps)
 
 
 class GemmaRMSNorm(nnx.Module):
     """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, then cast back; the weight
     starts at zero (as transformers' Gemma2RMSNorm / Gemma3RMSNorm)."""
 
+    unit_offset = True
+
     def __init__(self, hidden_size: int, *, eps: float, dtype):
         self.weight = nnx.Param(jnp.zeros((hidden_size,), dtype))
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normed = x32 * jax.lax.rsqrt(variance + self.eps)
-        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return row_ops.rms_norm(x, self.weight[...], eps=self.eps, unit_offset=True)
 
 
 def rms_norm(size: int, config, dtype):
     """The RMSNorm the config's architecture uses, over the last axis of `size`."""
     norm = GemmaRMSNorm if config.is_gemma else RMSNorm
     return norm(size, eps=config.rms_norm_eps, dtype=dtype)
-
-
-ACTIVATIONS = {"silu": jax.nn.silu,
-                "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 class GatedMLP(nnx.Module):
@@ -157,15 +152,8 @@ class GatedMLP(nnx.Module):
         """x [..., E] -> [..., E]; precision: the projections' (a `DOT_PRECISIONS` name); rows:
         how the matmuls and the gating run over the rows (`row_tiles.runner`)."""
         gate_up = self.gate_up_proj(x, precision, rows)
-        return self.down_proj(rows(self._gated, gate_up), precision, rows)
-
-    def _gated(self, gate_up):
-        """[..., 2F] (packed) -> act(gate) * up [..., F]."""
-        lead = gate_up.shape[:-1]
-        gate_up = gate_up.reshape(*lead, self.blocks, 2, -1)               # [..., P, 2, F/P]
-        gate = gate_up[..., 0, :].reshape(*lead, -1)                       # [..., F]
-        up = gate_up[..., 1, :].reshape(*lead, -1)
-        return ACTIVATIONS[self.activation](gate) * up
+        return self.down_proj(rows.gated(gate_up, blocks=self.blocks, activation=self.activation),
+                              precision, rows)
 
 
 def rotary_cos_sin(positions, inv_frequencies: np.ndarray):

@@ -59,13 +59,14 @@ class LlamaAttention(nnx.Module):
         and key heads normed when the model norms them. precision: the projection's."""
         qkv = self.qkv_proj(x, precision, rows).reshape(
             *x.shape[:-1], self.shards, -1, self.head_dim)
-        return qkv if self.q_norm is None else rows(self._normed_heads, qkv)
+        return qkv if self.q_norm is None else self._normed_heads(qkv, rows)
 
-    def _normed_heads(self, qkv):
+    def _normed_heads(self, qkv, rows):
         """Qwen3's per-head norms of q and k ([..., P, H/P + 2C/P, D] packed, v as it is)."""
         local_q, local_kv = self.num_heads // self.shards, self.num_cache_kv_heads // self.shards
         q, k, v = jnp.split(qkv, [local_q, local_q + local_kv], axis=-2)
-        return jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=-2)
+        return jnp.concatenate([rows.norm(self.q_norm, q), rows.norm(self.k_norm, k), v],
+                               axis=-2)
 
     def project_qkv(self, x, precision: str = "default"):
         """x [..., E] -> q [..., H, D], k and v [..., C, D], before rotation (for dense uses,
@@ -106,10 +107,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp = _mlp(config, layer_index, dtype, rngs, mesh)
 
     def __call__(self, x, cos, sin, cache, metadata, precision, rows=row_tiles.WHOLE):
-        attn_out, cache = self.self_attn(rows(self.input_layernorm, x), cos, sin, cache,
+        attn_out, cache = self.self_attn(rows.norm(self.input_layernorm, x), cos, sin, cache,
                                          metadata, precision, rows)
         x = x + attn_out
-        return x + self.mlp(rows(self.post_attention_layernorm, x), precision, rows), cache
+        return x + self.mlp(rows.norm(self.post_attention_layernorm, x), precision, rows), cache
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -126,11 +127,11 @@ class GemmaDecoderLayer(nnx.Module):
         self.post_feedforward_layernorm = rms_norm(config.hidden_size, config, dtype)
 
     def __call__(self, x, cos, sin, cache, metadata, precision, rows=row_tiles.WHOLE):
-        attn_out, cache = self.self_attn(rows(self.input_layernorm, x), cos, sin, cache,
+        attn_out, cache = self.self_attn(rows.norm(self.input_layernorm, x), cos, sin, cache,
                                          metadata, precision, rows)
-        x = x + rows(self.post_attention_layernorm, attn_out)
-        mlp_out = rows(self.post_feedforward_layernorm,
-                       self.mlp(rows(self.pre_feedforward_layernorm, x), precision, rows))
+        x = x + rows.norm(self.post_attention_layernorm, attn_out)
+        mlp_out = rows.norm(self.post_feedforward_layernorm,
+                            self.mlp(rows.norm(self.pre_feedforward_layernorm, x), precision, rows))
         return x + mlp_out, cache
 
 
@@ -179,7 +180,7 @@ class LlamaModel(nnx.Module):
         tables = [rows(rotary.cos_sin, positions) for rotary in self.rotaries]  # [T, D] x 2
         for layer, rotary in zip(self.layers, self.rotary_of_layer):
             x, cache = layer(x, *tables[rotary], cache, metadata, precision, rows)
-        return rows(self.norm, x), cache
+        return rows.norm(self.norm, x), cache
 
 
 class LlamaForCausalLM(nnx.Module):

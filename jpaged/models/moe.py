@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec
 from jpaged import parallel
 from jpaged.config import ModelConfig
 from jpaged.models import row_tiles
-from jpaged.models.layers import ACTIVATIONS, DOT_PRECISIONS, normal
+from jpaged.models.attention import row_ops
+from jpaged.models.layers import DOT_PRECISIONS, normal
 
 
 class Router(nnx.Module):
@@ -114,7 +115,7 @@ class SparseMoE(nnx.Module):
         dot = DOT_PRECISIONS[precision]
         gate_up = jax.lax.ragged_dot(rows, gate_up_proj, group_sizes, precision=dot)  # [R, 2F]
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        hidden = ACTIVATIONS[self.activation](gate) * up                   # [R, F]
+        hidden = row_ops.ACTIVATIONS[self.activation](gate) * up                   # [R, F]
         return jax.lax.ragged_dot(hidden, down_proj, group_sizes, precision=dot)      # [R, E]
 
     def _sharded_grouped_mlp(self, precision: str):

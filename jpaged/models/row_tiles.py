@@ -8,7 +8,11 @@ alone: a row-wise function runs over fixed tiles of `TILE_ROWS` rows (`lax.map`,
 back into one op, each tile fenced by optimization barriers so that no compiler fuses it with
 what the program does around it), and a matmul is `pallas_kernels.batch_invariant.matmul` (on a
 GPU one launch of a GEMM of fixed tiling over every row, so the weights are read once however
-many rows there are; elsewhere XLA's dot over the same tiles). The batch-invariant engine
+many rows there are; elsewhere XLA's dot over the same tiles). The norms and the gating, a
+model's row-wise parts of every layer, have GPU kernels of their own (`norm`, `gated`: one launch
+whose programs each run one row's fixed computation, not a loop of small kernels per tile); the
+rest (once a step: embedding scale, rotary tables, soft cap, sampling) runs in tiles. The
+batch-invariant engine
 (`batch_invariant=True`) runs every row-wise part of the model and the sampler so (the rotary
 tables too); attention, which mixes a token with its keys, has its own kernel
 (`pallas_kernels.batch_invariant`). The default mode's runner, `WHOLE`, is the plain ops.
@@ -18,7 +22,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jpaged.models.attention import TILE_ROWS, invariant_matmul, map_tiles
+from jpaged.models.attention import (TILE_ROWS, invariant_gated, invariant_matmul,
+                                     invariant_rms_norm, map_tiles, row_ops)
 
 # The mode's compiler options (GPU options; other backends ignore them), for the engine's programs
 # and a trainer's jit of the training forward alike: every matmul XLA itself runs (the tiles under
@@ -42,9 +47,9 @@ class Rows:
     """How a model runs its row-wise parts over T tokens. `rows(fn, *x)` runs a row-wise fn
     (no matmul inside: matmuls go through `rows.matmul`) whole or in tiles (`map_rows`).
 
-    is_tiled: the batch-invariant mode. kernel: its matmuls' path (None: the Triton GEMM on a
-    GPU; False: XLA's dot in tiles, e.g. for weights sharded over a mesh, which one kernel
-    launch cannot take)."""
+    is_tiled: the batch-invariant mode. kernel: the path of its matmuls, norms and gating (None:
+    the Triton kernels on a GPU; False: the jnp ops in tiles, e.g. for weights sharded over a
+    mesh, which one kernel launch cannot take)."""
     is_tiled: bool = False
     kernel: bool | None = None
 
@@ -57,6 +62,22 @@ class Rows:
             return fn(x)
         out = map_rows(fn, x.reshape(-1, x.shape[-1]))
         return out.reshape(*x.shape[:-1], *out.shape[1:])
+
+    def norm(self, norm, x):
+        """An RMSNorm module `norm` (`layers.RMSNorm`, `layers.GemmaRMSNorm`) over x [..., E]."""
+        if not self.is_tiled:
+            return norm(x)
+        out = invariant_rms_norm(x.reshape(-1, x.shape[-1]), norm.weight[...], eps=norm.eps,
+                                 unit_offset=norm.unit_offset, kernel=self.kernel)
+        return out.reshape(x.shape)
+
+    def gated(self, gate_up, *, blocks: int, activation: str):
+        """act(gate) * up from a packed gate/up projection [..., 2F] (`row_ops.gated`)."""
+        if not self.is_tiled:
+            return row_ops.gated(gate_up, blocks=blocks, activation=activation)
+        out = invariant_gated(gate_up.reshape(-1, gate_up.shape[-1]), blocks=blocks,
+                              activation=activation, kernel=self.kernel)
+        return out.reshape(*gate_up.shape[:-1], out.shape[-1])
 
     def matmul(self, x, weight, precision, *, transposed: bool = False, out_dtype=None):
         """x [..., I] @ weight [I, O] (weight [O, I] when transposed) -> [..., O], in out_dtype
