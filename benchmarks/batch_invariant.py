@@ -46,6 +46,7 @@ from benchmarks import e2e, hf_backends, multistep, roofline, timing  # noqa: E4
 from jpaged import SamplingParams  # noqa: E402
 from jpaged.models.row_tiles import COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels import batch_invariant  # noqa: E402
+from pallas_kernels.gpu import matmul as triton_matmul  # noqa: E402
 
 MODES = {"default": False, "batch-invariant": True}
 # How each determinism run batches (engine options over the e2e budget's).
@@ -168,8 +169,27 @@ MATMUL_WAYS = {   # name -> (jit options, batch_invariant.matmul's path or None 
     "GEMM": ({}, True)}
 
 
+def matmul_ways(splits=()) -> dict:
+    """`MATMUL_WAYS`, and the GEMM with its I axis in each of `splits` parts (a sweep)."""
+    return {**MATMUL_WAYS, **{f"GEMM in {parts}": ({}, parts) for parts in splits}}
+
+
+def _gemm_fn(transposed, out_dtype, kernel):
+    """The function a way times: XLA's dot (kernel None), `batch_invariant.matmul` (False:
+    tiles, True: the GEMM), or the GEMM in `kernel` parts of I (an int)."""
+    if kernel is None:
+        subscripts = "ti,oi->to" if transposed else "ti,io->to"
+        return lambda x, w: jnp.einsum(subscripts, x, w, preferred_element_type=out_dtype)
+    if isinstance(kernel, bool):
+        return lambda x, w: batch_invariant.matmul(x, w, transposed=transposed,
+                                                   out_dtype=out_dtype, kernel=kernel)
+    return lambda x, w: triton_matmul.matmul(x, w, transposed=transposed, out_dtype=out_dtype,
+                                             splits=kernel)
+
+
 def matmul_cost(model, args, log=print) -> list:
     """Seconds of each weight shape's matmul at each of --matmul-rows rows, each way."""
+    ways = matmul_ways(args.matmul_splits)
     rows, key = [], jax.random.PRNGKey(0)
     dtype = model.dtype
     for name, (shape, transposed) in weight_shapes(model.config).items():
@@ -180,21 +200,13 @@ def matmul_cost(model, args, log=print) -> list:
         for count in args.matmul_rows:
             x = jax.random.normal(key, (count, shape[1] if transposed else shape[0]), dtype)
             row = dict(shape=name, rows=count, weight=shape)
-            for way, (options, kernel) in MATMUL_WAYS.items():
-                if kernel is None:
-                    fn = (lambda x, w: jnp.einsum("ti,oi->to", x, w,
-                                                  preferred_element_type=out_dtype)) \
-                        if transposed else (lambda x, w: jnp.dot(x, w,
-                                                                 preferred_element_type=out_dtype))
-                else:
-                    fn = (lambda x, w, kernel=kernel: batch_invariant.matmul(
-                        x, w, transposed=transposed, out_dtype=out_dtype, kernel=kernel))
+            for way, (options, kernel) in ways.items():
                 row[way] = timing.median_dispatch_seconds(
-                    jax.jit(fn, **options), [(x, w) for w in weights],
-                    wait=jax.block_until_ready)
+                    jax.jit(_gemm_fn(transposed, out_dtype, kernel), **options),
+                    [(x, w) for w in weights], wait=jax.block_until_ready)
             rows.append(row)
             log(f"matmul {name} x {count}: " + ", ".join(
-                f"{way} {row[way] * 1e6:.1f} us" for way in MATMUL_WAYS), flush=True)
+                f"{way} {row[way] * 1e6:.1f} us" for way in ways), flush=True)
         del weights
         gc.collect()
     return rows
@@ -250,7 +262,7 @@ def determinism(model, trace, prompts, args, log=print) -> list[dict]:
 def tables(e2e_rows, step_rows, det_rows, matmul_rows=(), tail_seqs=16) -> str:
     text = ""
     if matmul_rows:
-        ways = list(MATMUL_WAYS)
+        ways = [way for way in matmul_rows[0] if way not in ("shape", "rows", "weight")]
         lines = ["| weight | rows | " + " | ".join(f"{way} us" for way in ways)
                  + " | GEMM / dot | GEMM / tiles |", "|---|---:|" + "---:|" * (len(ways) + 2)]
         for row in matmul_rows:
@@ -304,6 +316,8 @@ def main(argv=None):
                         help="cap each determinism request's output (the trace's length else)")
     parser.add_argument("--matmul-rows", type=lambda s: [int(x) for x in s.split(",")],
                         default=[8, 64, 256, 2048])
+    parser.add_argument("--matmul-splits", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[], help="also time the GEMM with I in each of these parts")
     parser.add_argument("--profile-prompt", type=int, default=2048)
     parser.add_argument("--profile-top", type=int, default=12)
     parser.add_argument("--parts", default="matmul,steps,e2e,determinism",

@@ -18,6 +18,7 @@ from jpaged.models import random_model, row_tiles, sequence_logits, sequence_log
 from jpaged.models.forward import COMPILER_OPTIONS
 from jpaged.options import OptionError, check_options
 from pallas_kernels import batch_invariant, reference, row_ops
+from pallas_kernels.gpu import matmul as triton_matmul
 
 # Compiled on the GPU by `make test-gpu` as well: the mode's claim is made there too.
 pytestmark = pytest.mark.gpu_suite
@@ -281,6 +282,30 @@ def test_matmul_is_the_product_and_independent_of_the_row_count(path, dtype, tra
     else:                  # XLA picks the dot's algorithm for its output type too
         np.testing.assert_allclose(in_model_dtype.astype(np.float32),
                                    rounded.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_gemm_split_along_i_is_the_product_and_independent_of_the_row_count():
+    """The GEMM with its I axis in parts (300 = 5 steps of 64: parts of 2, 2 and 1 steps): the
+    product to float32 rounding, a row's result bitwise the same among 1 to 130 rows; the
+    number of parts is the weight's shape's alone (the 8B shape's o and down projections:
+    4, with 32 column blocks each)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((130, 300)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((300, 200)), jnp.bfloat16)
+    matmul = functools.partial(triton_matmul.matmul, out_dtype=jnp.float32, splits=3,
+                               interpret=jax.default_backend() != "gpu")
+    whole = np.asarray(matmul(x, w))
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(whole, exact, rtol=1e-5, atol=1e-4)
+    for count in (1, 5, 64, 65):
+        assert np.array_equal(np.asarray(matmul(x[:count], w)), whole[:count])
+        assert np.array_equal(np.asarray(matmul(jnp.roll(x[:count], -1, axis=0), w))[-1],
+                              whole[0])
+    assert [triton_matmul.num_splits(i, o) for i, o in (
+        (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256), (100, 72))
+    ] == [2, 4, 1, 4, 1, 1]
+    with pytest.raises(ValueError, match="splits must be in"):
+        matmul(x, w, splits=6)
 
 
 def test_matmul_path_and_gradient():
