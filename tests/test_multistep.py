@@ -3,6 +3,7 @@ device block manager, against K = 1, other batch mixes, and the host mirror."""
 
 import collections
 import functools
+import time
 
 import jax
 import jax.extend
@@ -256,6 +257,27 @@ def test_async_scheduling_gives_identical_outputs(hf_checkpoints):
     assert generate(path, 4, order=[2, 4, 0, 3, 1], async_scheduling=True)[0] == baseline
     for depth in (1, 3):  # loops in flight behind the host (default 2)
         assert generate(path, 2, async_scheduling=True, async_depth=depth)[0] == baseline, depth
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_records_split_each_steps_wall_into_host_and_device(hf_checkpoints,
+                                                                  async_scheduling):
+    """A step's device seconds lie within the step: with loops chained behind the host, a
+    loop's time before the step that fetches it was the earlier step's (its host work ran
+    beside it), so the records' device seconds never add up past the wall."""
+    llm = engine(hf_checkpoints["llama_gqa"], 4, async_scheduling=async_scheduling)
+    prompts, params = requests()
+    for index, (prompt, param) in enumerate(zip(prompts, params)):
+        llm.add_request(f"r{index}", prompt_token_ids=prompt, params=param)
+    llm.step_log = []
+    start = time.perf_counter()
+    run_to_completion(llm)
+    wall = time.perf_counter() - start
+    records = llm.step_log
+    assert sum(record.num_generated > record.num_seqs for record in records) >= 5   # loops
+    assert all(record.host_seconds >= 0 and record.device_seconds >= 0 for record in records)
+    assert sum(record.host_seconds + record.device_seconds for record in records) <= wall
+    assert sum(record.device_seconds for record in records) <= wall
 
 
 @pytest.mark.parametrize("depth", [1, 2])

@@ -126,7 +126,9 @@ class Executor:
         self.num_padded_tokens = 0
         self.num_real_tokens = 0
         self.last_step_compiled = False
-        self.last_device_seconds = 0.0    # last step: inputs to device, compiled call, results back
+        # The last step's device part (inputs to the device, the compiled call or loop, results
+        # back): (when it began, when its results were on the host), perf_counter seconds.
+        self.last_device_window = (0.0, 0.0)
 
     # ---- block operations, in the ledger's order --------------------------------------------
     def apply(self, ops: list[BlockOp]):
@@ -202,7 +204,7 @@ class Executor:
             self.manager, self.cache, out, ok, scored_out = self.dispatch(key, program, *args,
                                                                           **static)
         out, ok, scored_out = jax.device_get((out, ok, scored_out))
-        self.last_device_seconds = time.perf_counter() - start
+        self.last_device_window = (start, time.perf_counter())
         if not ok:
             raise RuntimeError("device block manager ran out of blocks the host mirror predicted; "
                                "the two have diverged")
@@ -383,7 +385,7 @@ class Executor:
     def fetch_decode(self, launched: "LaunchedLoop", count: int) -> DecodeResult:
         """Wait for a launched loop; its results on the host, cut to the real rows."""
         result = unpack_host(np.asarray(launched.result), launched.result_layout)
-        self.last_device_seconds = time.perf_counter() - launched.start
+        self.last_device_window = (launched.start, time.perf_counter())
         steps = int(result.num_done)
         self.num_padded_tokens += result.done_at.shape[0] * steps
         self.num_real_tokens += count * steps

@@ -27,8 +27,10 @@ from jpaged.engine.scheduler import Scheduler
 
 class StepRecord(NamedTuple):
     """One step, for benchmarks: device_seconds spans input transfer, the compiled step (or
-    decode loop) and the output transfer; host_seconds is everything else (scheduling, building
-    inputs, output processing)."""
+    decode loop) and the output transfer, within the step (a loop dispatched in an earlier step,
+    under async scheduling: from this step's start until its results are on the host);
+    host_seconds is everything else (scheduling, building inputs, output processing). The two
+    add up to the step's wall time."""
     is_decode: bool
     num_seqs: int
     num_tokens: int
@@ -222,7 +224,10 @@ class LLMEngine:
                     if self._loops_to_chain():
                         return []  # this loop's tokens come back with the next step
                     results, device_freed = self.pipeline.advance(chain=0)
-        device_seconds = self.executor.last_device_seconds
+        # A loop dispatched in an earlier step (async scheduling) ran while that step's host
+        # work went on: only the part of its window inside this step is this step's device time.
+        launched, fetched = self.executor.last_device_window
+        device_seconds = max(0.0, fetched - max(launched, start))
         outcome = self.output.process(results, scored)
         self.scheduler.update(outcome, device_freed, self.pipeline.hold_back)
         for request in outcome.finished_requests:
