@@ -151,3 +151,20 @@ def test_moe_floor_reads_the_chosen_experts_and_flops_count_the_active_ones():
     assert roofline.floor_bytes(dense, batch=3, context_tokens=0, dtype="float32",
                                 experts="fewest") == roofline.floor_bytes(
         dense, batch=3, context_tokens=0, dtype="float32")
+
+
+def test_sync_and_async_runs_side_by_side_with_their_step_breakdowns(tmp_path):
+    """--scheduling sync,async: both runs of each K in one table, each with its breakdown, whose
+    host seconds are never negative (an async run's once were: its loops' device time counted
+    from their dispatch in an earlier step)."""
+    e2e.main(["--model", "tiny", "--dtype", "float32", "--parts", "jpaged", "--ks", "4",
+              "--scheduling", "sync,async", "--num-requests", "12", "--trace", "alpaca",
+              "--max-model-len", "256", "--budget-seqs", "4", "--max-num-batched-tokens", "256",
+              "--passes", "1", "--out-dir", str(tmp_path)])
+    text = (tmp_path / "e2e.md").read_text()
+    breakdown = text.split("### Where jpaged's time went, by step")[1]
+    for name in ("jpaged K=4", "jpaged K=4 async"):
+        rows = [line.split(" | ") for line in breakdown.splitlines()
+                if line.startswith(f"| {name} | ")]
+        assert any(row[1] == "decode loop" for row in rows), name
+        assert all(float(row[6]) >= 0 and float(row[7]) >= 0 for row in rows), rows
