@@ -280,6 +280,34 @@ def test_step_records_split_each_steps_wall_into_host_and_device(hf_checkpoints,
     assert sum(record.device_seconds for record in records) <= wall
 
 
+def test_async_loops_drop_to_a_smaller_batch_as_requests_finish(hf_checkpoints):
+    """Chained loops keep their first loop's rows, finished ones included: once the live rows
+    fit a smaller batch, the chain drains and the next loop carries the live rows alone. A long
+    request outliving eleven short ones gets most of its tokens from loops of one row (before,
+    every loop carried all twelve rows to its end); outputs as without async scheduling."""
+    prompts = prompts_of([6] * 12, seed=3)
+    params = ([SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)]
+              + [SamplingParams(temperature=0, max_tokens=4 + n, ignore_eos=True)
+                 for n in range(11)])
+    outputs = {}
+    for async_scheduling in (False, True):
+        eng = engine(hf_checkpoints["llama_gqa"], 4, max_num_seqs=16,
+                     async_scheduling=async_scheduling)
+        for index, (prompt, param) in enumerate(zip(prompts, params)):
+            eng.add_request(f"r{index}", prompt_token_ids=prompt, params=param)
+        eng.step_log = []
+        done = run_to_completion(eng)
+        outputs[async_scheduling] = [done[f"r{i}"].outputs[0].token_ids for i in range(12)]
+        assert_mirror_matches_device(eng)
+    assert outputs[True] == outputs[False]
+    records = eng.step_log   # the async run's
+    alone = sum(record.num_generated for record in records
+                if record.is_decode and record.num_seqs == 1)
+    # 64 tokens, 50 of them after the short requests' last (at 14); a drain's lag is at most
+    # (depth + 1) loops of 4 tokens
+    assert alone >= 50 - 3 * 4, [(r.num_seqs, r.num_generated) for r in records]
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_async_stop_strings_and_aborts_while_a_loop_is_in_flight(hf_checkpoints, depth):
     """A stop string found on the host while the next loops already run: that sequence's extra

@@ -59,11 +59,16 @@ def step_arrays(rows, sampling_rows, scored, *, max_num_seqs: int,
             is_decode, size, num_tokens)
 
 
+def loop_batch(num_rows: int, max_num_seqs: int) -> int:
+    """The batch (rows, padded to a bucket) of a decode loop over num_rows sequences."""
+    return bucket(num_rows, 4, max_num_seqs)
+
+
 def loop_arrays(rows, sampling_rows, remaining, stop_ids, num_steps: int, *,
                 max_num_seqs: int) -> tuple[DecodeInputs, int, int]:
     """(DecodeInputs, batch B, stop-id width) of a fresh decode loop: rows [(slot, last token)],
     a SamplingRow, tokens left and stop ids per row, padded to buckets."""
-    batch = bucket(len(rows), 4, max_num_seqs)
+    batch = loop_batch(len(rows), max_num_seqs)
     width = bucket(max((len(ids) for ids in stop_ids), default=1), 16, 1 << 16)
     token_ids = np.zeros(batch, np.int32)
     seq_ids = np.full(batch, -1, np.int32)

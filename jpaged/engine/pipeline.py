@@ -15,6 +15,7 @@ import collections
 import dataclasses
 
 from jpaged.blocks.ledger import BlockLedger
+from jpaged.engine.batch_arrays import loop_batch
 from jpaged.engine.executor import Executor, LaunchedLoop
 from jpaged.engine.scheduler import ScheduledRow
 from jpaged.request import Samples, Sequence
@@ -81,11 +82,20 @@ class DecodePipeline:
         scheduler) or the newest loop does not cover every running sequence (a request left
         out by the token budget must not starve); and no more than the rows' budgets need. A
         loop has a fixed trip count, so one chained after every row used up its max_tokens (or
-        max_model_len) would run the whole model for nothing."""
+        max_model_len) would run the whole model for nothing.
+
+        None either once the live rows fit a smaller batch than the newest loop's: a chained
+        loop keeps its predecessor's rows, finished ones included, so chaining on would run the
+        whole first batch to the end of the longest request (on a trace of mixed lengths, most
+        of a K = 8 run's rows were finished ones). The loops in flight drain, and the scheduler
+        starts a loop of the live rows alone."""
         if not running or self.ran_dry or not self.covers(
                 seq for request in running for seq in request.live_sequences):
             return 0
         newest = self.newest
+        if (loop_batch(len(self.live_sequences()), self.executor.max_num_seqs)
+                < newest.launched.batch[0]):
+            return 0
         budget = max((min(row.request.params.max_tokens
                           - (len(row.seq.token_ids) - row.seq.num_prompt_tokens),
                           self.max_model_len - len(row.seq.token_ids))
