@@ -1,7 +1,9 @@
 """Times a mixture-of-experts MLP layer three ways at a preset's shapes: jpaged's grouped
 matmuls (`jpaged.models.moe.SparseMoE`: tokens sorted by expert, one `jax.lax.ragged_dot` per
 projection), the dense per-expert loop (every token through every expert, weighted by its
-routing weight or zero), and the grouped matmul alone against a plain matmul of the same shape.
+routing weight or zero), and the grouped gate/up matmul alone: `jax.lax.ragged_dot` and the Pallas
+grouped matmul (`pallas_kernels.gpu.grouped_matmul`, on a GPU), against a plain matmul of the
+same shape and against reading the routed experts' gate/up weights.
 
 Usage (on the GPU machine, from the repository root):
     PYTHONPATH=. python3 benchmarks/moe.py --out /tmp/moe.md [--model qwen3-30b-a3b]
@@ -33,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import roofline, timing  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
-from jpaged.models.layers import ACTIVATIONS  # noqa: E402
 from jpaged.models.moe import SparseMoE  # noqa: E402
+from pallas_kernels.gpu import grouped_matmul  # noqa: E402
+from pallas_kernels.row_ops import ACTIVATIONS  # noqa: E402
 
 ROTATIONS = 3
 
@@ -136,6 +139,18 @@ def time_case(config, graphdef, state, num_tokens: int, args, dtype) -> dict:
     row["experts used"] = used
     row["ragged s"] = timing.median_dispatch_seconds(fn, [ragged_args],
                                                      wait=jax.block_until_ready)
+    if jax.default_backend() == "gpu":   # the interpreter elsewhere: no timing to report
+        sizes = ragged_args[2]
+        pallas = jax.jit(grouped_matmul.grouped_matmul)
+        defined = int(np.asarray(sizes).sum())
+        out = timing.or_error(lambda: pallas(*ragged_args))
+        if isinstance(out, str):   # it did not compile: the cell says why
+            row["pallas s"] = out
+        else:
+            row["pallas error"] = relative_error(
+                out[:defined], np.asarray(fn(*ragged_args)[:defined], np.float32))
+            row["pallas s"] = timing.or_error(lambda: timing.median_dispatch_seconds(
+                pallas, [ragged_args], wait=jax.block_until_ready))
     rows = num_tokens * k
     a = jax.random.normal(keys[0], (rows, hidden), dtype)
     b = jax.random.normal(keys[1], (hidden, 2 * inter), dtype)
@@ -143,6 +158,7 @@ def time_case(config, graphdef, state, num_tokens: int, args, dtype) -> dict:
                                                      wait=jax.block_until_ready)
     row["ragged flops"] = 2 * rows * hidden * 2 * inter
     row["weight bytes"] = used * 3 * hidden * inter * jnp.dtype(dtype).itemsize
+    row["gate/up bytes"] = used * 2 * hidden * inter * jnp.dtype(dtype).itemsize
     return row
 
 
@@ -165,6 +181,25 @@ def table(rows, bandwidth: float, matmul_flops: float) -> str:
             f"{row['ragged flops'] / row['matmul s'] / 1e12:.1f} | "
             f"{row['grouped error']:.1e} / "
             f"{format(row['dense loop error'], '.1e') if 'dense loop error' in row else '-'} |")
+    if any("pallas s" in row for row in rows):
+        lines += ["", "The gate/up grouped matmul alone: `jax.lax.ragged_dot` against the Pallas "
+                  "grouped matmul; floor: the routed experts' gate/up weights read once.", "",
+                  "| tokens | ragged | Pallas | Pallas / ragged | floor | Pallas / floor | "
+                  "Pallas TFLOP/s | Pallas error vs ragged |", "|---|---|---|---|---|---|---|---|"]
+        for row in rows:
+            pallas_s, floor = row.get("pallas s"), row["gate/up bytes"] / bandwidth
+            if isinstance(pallas_s, float):
+                over_ragged = f"{pallas_s / row['ragged s']:.2f}x"
+                over_floor = f"{pallas_s / floor:.2f}x"
+                rate = f"{row['ragged flops'] / pallas_s / 1e12:.1f}"
+                pallas = f"{timing.us(pallas_s)} us"
+            else:
+                over_ragged = over_floor = rate = "-"
+                pallas = timing.us(pallas_s)
+            lines.append(
+                f"| {row['tokens']:,} | {timing.us(row['ragged s'])} us | {pallas} | "
+                f"{over_ragged} | {floor * 1e6:.1f} us | {over_floor} | {rate} | "
+                f"{row.get('pallas error', float('nan')):.1e} |")
     lines.append(f"\nceilings in this run: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul "
                  f"{matmul_flops / 1e12:.0f} TFLOP/s")
     return "\n".join(lines)
