@@ -72,17 +72,49 @@ def build_hf_model(config_path, jax_model, *, device, dtype_name="bfloat16",
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation)
     params = dict(model.named_parameters())
+    tensors = checkpoint_tensors(jax_model)
     copied = 0
-    for name, array in checkpoint_tensors(jax_model).items():
-        source = torch.from_dlpack(array)     # a view of the jax buffer, no copy
-        params[name].data.copy_(source)
-        if not torch.equal(params[name].data, source.to(params[name].device)):
-            raise ValueError(f"parameter {name} differs after the copy")
+    for name, param in params.items():
+        for target, array in _sources(name, param, tensors):
+            source = torch.from_dlpack(array)     # a view of the jax buffer, no copy
+            target.copy_(source)
+            if not torch.equal(target, source.to(target.device)):
+                raise ValueError(f"parameter {name} differs after the copy")
         copied += 1
     if copied != len(params):
         raise ValueError(f"copied {copied} of the torch model's {len(params)} parameters")
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+# transformers' fused expert tensors [X, 2F, E] / [X, E, F] and the per-expert checkpoint
+# tensors they stack, as (module, parts) for Qwen3-MoE and for Mixtral.
+_EXPERT_SOURCES = {"gate_up_proj": (("mlp", ("gate_proj", "up_proj")),
+                                    ("block_sparse_moe", ("w1", "w3"))),
+                   "down_proj": (("mlp", ("down_proj",)), ("block_sparse_moe", ("w2",)))}
+
+
+def _sources(name: str, param, tensors: dict):
+    """[(part of param's data, the checkpoint array copied into it)]: the tensor of that name
+    (Mixtral's router: under its checkpoint's module name), or for a fused expert tensor ('model.layers.3.mlp.experts.gate_up_proj') each expert's
+    parts concatenated along the output axis, as transformers fuses them when it loads."""
+    for source in (name, name.replace(".mlp.", ".block_sparse_moe.")):   # Mixtral's router
+        if source in tensors:
+            return [(param.data, tensors[source])]
+    layer, _, kind = name.rpartition(".mlp.experts.")
+    for module, parts in _EXPERT_SOURCES.get(kind, ()):
+        names = [[f"{layer}.{module}.experts.{x}.{part}.weight" for part in parts]
+                 for x in range(param.shape[0])]
+        if all(n in tensors for n in names[0]):
+            pieces = []
+            for x, row in enumerate(names):
+                start = 0
+                for part_name in row:                # [F, E] (or [E, F]) rows, in order
+                    size = tensors[part_name].shape[0]
+                    pieces.append((param.data[x, start:start + size], tensors[part_name]))
+                    start += size
+            return pieces
+    raise KeyError(f"no checkpoint tensor for transformers' parameter {name}")
 
 
 def static_kv_utilisation(batch) -> float:

@@ -2,10 +2,16 @@
 utilisation and the decode floor's bytes, by hand; the table marks capped and failed runs."""
 
 import dataclasses
+import json
+from pathlib import Path
+
+import pytest
 
 from benchmarks import e2e, hf_backends, roofline
 from benchmarks.trace import TraceRequest
 from jpaged.config import ModelConfig
+from jpaged.models import load_model
+from tests.hf_fixtures import MOE_CHECKPOINTS
 
 
 def test_static_kv_utilisation_by_hand():
@@ -168,3 +174,25 @@ def test_sync_and_async_runs_side_by_side_with_their_step_breakdowns(tmp_path):
                 if line.startswith(f"| {name} | ")]
         assert any(row[1] == "decode loop" for row in rows), name
         assert all(float(row[6]) >= 0 and float(row[7]) >= 0 for row in rows), rows
+
+
+@pytest.mark.parametrize("name", MOE_CHECKPOINTS)
+def test_transformers_model_holds_a_mixture_of_experts_weights(hf_checkpoints, name):
+    """build_hf_model stacks each expert's checkpoint tensors into transformers' fused expert
+    parameters: the model it builds from jpaged's weights equals the checkpoint's own load."""
+    import torch
+    import transformers
+
+    path = Path(hf_checkpoints[name])
+    model, _ = load_model(path, dtype="float32")
+    config = json.loads((path / "config.json").read_text())
+    preset = path.parent / f"{name}_preset.json"
+    preset.write_text(json.dumps({k: v for k, v in config.items()
+                                  if k not in ("architectures", "transformers_version")}))
+    built = hf_backends.build_hf_model(preset, model, device="cpu", dtype_name="float32")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = dict(loaded.named_parameters())
+    fused = [n for n in expected if n.endswith("experts.gate_up_proj")]
+    assert fused, "transformers fuses the experts"
+    for param_name, param in built.named_parameters():
+        assert torch.equal(param, expected[param_name]), param_name
