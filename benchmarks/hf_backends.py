@@ -96,8 +96,9 @@ _EXPERT_SOURCES = {"gate_up_proj": (("mlp", ("gate_proj", "up_proj")),
 
 def _sources(name: str, param, tensors: dict):
     """[(part of param's data, the checkpoint array copied into it)]: the tensor of that name
-    (Mixtral's router: under its checkpoint's module name), or for a fused expert tensor ('model.layers.3.mlp.experts.gate_up_proj') each expert's
-    parts concatenated along the output axis, as transformers fuses them when it loads."""
+    (Mixtral's router: under its checkpoint's module name), or for a fused expert tensor
+    ('model.layers.3.mlp.experts.gate_up_proj') each expert's parts concatenated along the
+    output axis, as transformers fuses them when it loads."""
     for source in (name, name.replace(".mlp.", ".block_sparse_moe.")):   # Mixtral's router
         if source in tensors:
             return [(param.data, tensors[source])]
