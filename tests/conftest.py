@@ -2,7 +2,9 @@
 
 import atexit
 import gc
+import importlib.util
 import os
+import pkgutil
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +25,28 @@ if _CACHE_ROOT not in os.environ:
     os.environ[_CACHE_ROOT] = tempfile.mkdtemp(prefix="jpaged-test-cache-")
     atexit.register(shutil.rmtree, os.environ[_CACHE_ROOT], ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(dir=os.environ[_CACHE_ROOT])
+
+# On a CPU, programs compile with most of XLA's optimisations off (LLVM at -O0), here and in
+# every process the suite starts: the tests check tokens, logprobs and bits, never speed, and
+# the suite's time is mostly compiling (off, it compiles about a third faster and the Pallas
+# kernels' interpreted tests run faster too). A GPU suite (make test-gpu) compiles as users do.
+# "A CPU" is told without starting a backend (xdist's controller, which runs no test, would
+# hold a GPU context for the whole run): JAX with no accelerator plugin, or JAX_PLATFORMS=cpu.
+def _jax_has_only_the_cpu() -> bool:
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return True
+    try:
+        import jax_plugins     # the namespace JAX's GPU plugins install into
+    except ImportError:
+        plugins = []
+    else:
+        plugins = list(pkgutil.iter_modules(jax_plugins.__path__))
+    return not plugins and importlib.util.find_spec("libtpu") is None
+
+
+if _jax_has_only_the_cpu():
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    jax.config.update("jax_disable_most_optimizations", True)
 
 # No example may fail by the time it takes: a slow or busy machine is no bug. (Hypothesis's
 # default gives each example 200 ms and calls slow data generation an error.)
