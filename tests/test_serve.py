@@ -226,6 +226,80 @@ def test_a_constrained_stream_equals_the_full_reply(app_client):
     assert events[-1]["choices"][0]["finish_reason"] == full["finish_reason"] == "stop"
 
 
+# Compact: the default template writes the functions into the prompt (max_model_len 256).
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}},
+         {"type": "function", "function": {"name": "now"}}]
+TOOL_SCHEMAS = {"add": ADD, "now": {"type": "object", "maxProperties": 0}}
+ASK = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_openai_client_tool_calls_parse_and_match_their_function(openai_client, temperature):
+    jsonschema = pytest.importorskip("jsonschema")
+    user = {"role": "user", "content": "Add?"}
+    common = dict(model=serve.DEFAULT_MODEL_NAME, tools=TOOLS, max_tokens=40,
+                  temperature=temperature, seed=5)
+    named = openai_client.chat.completions.create(
+        messages=[user], tool_choice={"type": "function", "function": {"name": "add"}}, **common)
+    (call,) = named.choices[0].message.tool_calls
+    assert (call.type, call.function.name) == ("function", "add") and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
+    assert named.choices[0].message.content is None
+    assert named.choices[0].finish_reason == "stop"
+    required = openai_client.chat.completions.create(
+        messages=[user], tool_choice="required", parallel_tool_calls=False, **common)
+    (call,) = required.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+    assert required.choices[0].finish_reason == "tool_calls"
+    # The call and its result go back into the conversation; "none" answers in text.
+    answer = openai_client.chat.completions.create(
+        messages=[user, required.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "5"}],
+        tool_choice="none", **{**common, "tools": TOOLS[1:], "max_tokens": 4})
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason == "length"
+
+
+def test_a_tool_call_stream_joins_to_the_full_reply(app_client):
+    body = {"messages": [{"role": "user", "content": "Add?"}], "tools": TOOLS, "max_tokens": 40,
+            "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    full = app_client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    with app_client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        deltas = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert [call["index"] for call in calls] == [0]
+    assert calls[0]["function"] == full["message"]["tool_calls"][0]["function"]
+    assert not any(d["delta"].get("content") for d in deltas)
+    assert deltas[-1]["finish_reason"] == full["finish_reason"] == "stop"
+    cut = app_client.post("/v1/chat/completions", json={**body, "max_tokens": 3}).json()
+    message = cut["choices"][0]["message"]    # cut short: no call, the text as it came
+    assert "tool_calls" not in message and message["content"].startswith("{")
+    assert cut["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_templates_get_the_tools_and_calls_as_transformers_gives_them():
+    template = api.ChatTemplate(
+        "{% if tools %}{{ tools | map(attribute='function.name') | join(',') }};{% endif %}"
+        "{% for m in messages %}{{ m.role }}={% if m.tool_calls %}"
+        "{{ m.tool_calls[0].function.arguments.a }}{% else %}{{ m.content }}{% endif %};"
+        "{% endfor %}")
+    body = {"messages": [{"role": "user", "content": "Add?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function",
+                              "function": {"name": "add", "arguments": '{"a": 7}'}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "8"}]}
+    messages = api.chat_messages(body)
+    assert messages[2] == {"role": "tool", "content": "8", "tool_call_id": "c1"}
+    assert template.render(messages, tools=TOOLS) == "add,now;user=Add?;assistant=7;tool=8;"
+    assert template.render(messages) == "user=Add?;assistant=7;tool=8;"
+    assert api.ChatTemplate().render(messages, tools=TOOLS[1:]) == (
+        'tools: [{"name":"now"}]\nuser: Add?\n'
+        'assistant: [{"name":"add","arguments":{"a":7}}]\ntool: 8\nassistant:')
+
+
 def test_a_bad_schema_is_a_400_and_a_concurrent_request_is_unharmed(openai_client,
                                                                    offline_greedy):
     openai = pytest.importorskip("openai")
@@ -343,6 +417,27 @@ BAD_INPUTS = [
     ("completions", {"prompt": "a", "guided_grammar": "root ::= ("}, 400, "guided_grammar"),
     ("completions", {"prompt": "a", "guided_regex": "a", "guided_choice": ["a"]}, 400,
      "guided_choice"),
+    ("chat/completions", {**ASK, "tools": TOOLS}, 400, "tool_choice"),
+    ("chat/completions", {**ASK, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "sub"}}}, 400, "tool_choice"),
+    ("chat/completions", {**ASK, "tool_choice": "required"}, 400, "tool_choice"),
+    ("chat/completions", {**ASK, "tools": TOOLS, "tool_choice": "any"}, 400,
+     "tool_choice"),
+    ("chat/completions", {**ASK, "tools": [{"type": "function"}],
+                          "tool_choice": "none"}, 400, "tools[0]"),
+    ("chat/completions", {**ASK, "tools": [{"type": "function", "function": {
+        "name": "a b"}}], "tool_choice": "none"}, 400, "tools[0].function.name"),
+    ("chat/completions", {**ASK, "tools": TOOLS + TOOLS[:1], "tool_choice": "none"},
+     400, "tools[2]"),
+    ("chat/completions", {**ASK, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": 5}}}],
+        "tool_choice": "required"}, 400, "tools"),
+    ("chat/completions", {**ASK, "tools": TOOLS, "tool_choice": "required",
+                          "guided_regex": "a"}, 400, "tools"),
+    ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{
+        "type": "function", "function": {"name": "add", "arguments": "{a"}}]}]}, 400,
+     "messages[0].tool_calls[0].function.arguments"),
+    ("completions", {"prompt": "a", "tools": TOOLS}, 400, "tools"),
     ("completions", {"prompt": "a" * 300}, 400, "prompt"),
     ("completions", {"prompt": "a", "max_tokens": 300}, 400, "max_tokens"),
     ("completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),

@@ -65,6 +65,11 @@ def test_chat_messages_are_counted_as_the_chat_endpoint_renders_them(client):
     assert bare["tokens"] == client.engine.tokenizer.encode(
         template.render(CHAT, add_generation_prompt=False)).ids
     assert bare["count"] < reply["count"]
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    with_tools = _ok(client.post("/tokenize", json={"messages": CHAT, "tools": tools}))
+    chat = _ok(client.post("/v1/chat/completions", json={
+        "messages": CHAT, "max_tokens": 1, "tools": tools, "tool_choice": "none"}))
+    assert with_tools["count"] == chat["usage"]["prompt_tokens"] > reply["count"]
 
 
 @pytest.mark.parametrize("text", ["def main(", "é🙂\n日本語", " leading  spaces\tand\ttabs "])
@@ -86,6 +91,7 @@ BAD = [("/tokenize", {}, 400, "prompt"),
        ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400,
         "continue_final_message"),
        ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+       ("/tokenize", {"messages": CHAT, "tools": [{"type": "tool"}]}, 400, "tools[0]"),
        ("/detokenize", {}, 400, "tokens"),
        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
        ("/detokenize", {"tokens": [1, True]}, 400, "tokens"),

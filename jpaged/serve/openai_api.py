@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from jpaged.request import RequestOutput
-from jpaged.serve import structured_api
+from jpaged.serve import structured_api, tools_api
 from jpaged.serve.errors import APIError
 from jpaged.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
@@ -85,6 +85,7 @@ class ParsedRequest:
     num_top_logprobs: int | None     # None: no logprobs in the reply
     num_prompt_logprobs: int | None = None   # the choices' prompt_logprobs (None: none)
     echo: bool = False               # completions: the prompt comes back before the completion
+    tools: "tools_api.ToolCalling | None" = None   # chat: the tools and the call it forces
 
 
 # ---- the request body ---------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
 
 
 def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, model: ModelInfo,
-                     prompt_logprobs=None) -> SamplingParams:
+                     prompt_logprobs=None, tool_schema=None) -> SamplingParams:
     """A stream is built from the engine's DELTA outputs (text past any possible stop-string
     prefix, tokens and logprobs new since the last output). A full reply asks for CUMULATIVE
     outputs, not FINAL_ONLY: the latency histograms (TTFT, TPOT) are observed on every output,
@@ -228,7 +229,8 @@ def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, model: M
                   stop_token_ids=body_field(body, "stop_token_ids", (list,)),
                   ignore_eos=body_field(body, "ignore_eos", (bool,), False),
                   logit_bias=_logit_bias(body, model.vocab_size),
-                  structured_outputs=structured_api.structured_outputs(body, model.constraints),
+                  structured_outputs=structured_api.structured_outputs(body, model.constraints,
+                                                                       tool_schema),
                   max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE)
     try:
@@ -337,12 +339,13 @@ def _prompt_ids(item, model: ModelInfo) -> list[int]:
 # ---- /v1/chat/completions -----------------------------------------------------------------------
 def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     check_model(body, model.name)
-    _reject_unsupported(body)
+    _reject_unsupported(body, allowed=("tools",))
     messages = chat_messages(body)
+    tools = tools_api.tool_calling(body)
     if model.tokenizer is None:
         raise APIError("this model has no tokenizer, so chat is not available", param="messages")
     try:
-        text = model.chat_template.render(messages)
+        text = model.chat_template.render(messages, tools=tools and tools.tools)
     except Exception as err:  # a template may raise on, e.g., roles out of order
         raise APIError(f"the chat template failed on these messages: {err}",
                        param="messages") from err
@@ -361,9 +364,10 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     max_tokens = _check_length(prompts, max_tokens, model.max_model_len, "messages")
     stream = body_field(body, "stream", (bool,), False)
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
-                              model=model, prompt_logprobs=prompt_logprobs)
+                              model=model, prompt_logprobs=prompt_logprobs,
+                              tool_schema=tools and tools.schema)
     return ParsedRequest(True, prompts, params, stream, _stream_options(body, stream), logprobs,
-                         prompt_logprobs)
+                         prompt_logprobs, tools=tools)
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -378,7 +382,19 @@ def chat_messages(body: dict) -> list[dict]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise APIError(f"'{where}.role' must be a non-empty string", param=f"{where}.role")
-        parsed.append({"role": role, "content": _message_text(message.get("content"), where)})
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls:    # a call the model made: its content may be null
+            content = message.get("content")
+            parsed.append({"role": role, "content": "" if content is None else
+                           _message_text(content, where),
+                           "tool_calls": tools_api.message_tool_calls(calls, where)})
+            continue
+        entry = {"role": role, "content": _message_text(message.get("content"), where)}
+        if role == "tool":                   # a call's result, answering its id
+            for key in ("tool_call_id", "name"):
+                if isinstance(message.get(key), str):
+                    entry[key] = message[key]
+        parsed.append(entry)
     return parsed
 
 
@@ -430,12 +446,27 @@ class ChatTemplate:
         return cls(source, bos_token=_token_text(config.get("bos_token")),
                    eos_token=_token_text(config.get("eos_token")))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """tools: OpenAI's `tools` (the template's `tools` variable; the default template
+        writes the functions on a first line, and an assistant's calls as JSON after its
+        content)."""
         if self._compiled is None:
-            lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            lines = "".join(f"{m['role']}: {m['content']}{_calls_text(m)}\n" for m in messages)
+            if tools:
+                lines = f"tools: {_compact([t['function'] for t in tools])}\n{lines}"
             return lines + ("assistant:" if add_generation_prompt else "")
         return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self._special)
+                                     tools=tools or None, **self._special)
+
+
+def _calls_text(message: dict) -> str:
+    calls = message.get("tool_calls")
+    return _compact([call["function"] for call in calls]) if calls else ""
+
+
+def _compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _raise_template_error(message):
@@ -470,6 +501,16 @@ class ReplyBuilder:
         self._object = "chat.completion" if parsed.is_chat else "text_completion"
         self._text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         self._finished: set[int] = set()
+        self._held: dict[int, str] = {}   # choice index -> text of a stream's tool calls so far
+
+    def _chat_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """(the assistant message, the choice's finish_reason): tool calls where the request
+        forces them and the reply completed them, else the text as content."""
+        tools = self.parsed.tools
+        calls = tools.calls(text) if tools is not None and finish_reason == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, tools.finish_reason
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = self._object + (".chunk" if chunk and self.parsed.is_chat else "")
@@ -483,11 +524,12 @@ class ReplyBuilder:
             for completion in output.outputs:
                 index = prompt_index * self.parsed.params.n + completion.index
                 if self.parsed.is_chat:
-                    choice = {"index": index, "message": {"role": "assistant",
-                                                          "content": completion.text},
+                    message, finish_reason = self._chat_message(completion.text,
+                                                                completion.finish_reason)
+                    choice = {"index": index, "message": message,
                               "logprobs": self._logprobs(completion.token_ids,
                                                          completion.logprobs, 0),
-                              "finish_reason": completion.finish_reason}
+                              "finish_reason": finish_reason}
                 else:
                     choice = self._completion_choice(index, output, completion)
                 choices.append(self._with_prompt_logprobs(choice, output))
@@ -571,7 +613,11 @@ class ReplyBuilder:
             is_done = completion.finish_reason is not None
             has_logprobs = self.parsed.num_top_logprobs is not None and bool(completion.token_ids)
             has_logprobs |= output.prompt_logprobs is not None  # sent once, in the first delta
-            if index in self._finished or not (completion.text or has_logprobs or is_done):
+            text = completion.text
+            if self.parsed.tools is not None and self.parsed.tools.schema is not None:
+                self._held[index] = self._held.get(index, "") + text   # sent when it ends
+                text = ""
+            if index in self._finished or not (text or has_logprobs or is_done):
                 continue
             offset = self._text_offsets.get(index, 0)
             logprobs = self._logprobs(completion.token_ids, completion.logprobs, offset)
@@ -579,15 +625,30 @@ class ReplyBuilder:
                 self._text_offsets[index] = offset + sum(map(len, logprobs["tokens"]))
             if is_done:
                 self._finished.add(index)
-            chunks.append(self._envelope([self._with_prompt_logprobs(self._choice_delta(
-                index, completion.text, logprobs, completion.finish_reason), output)],
-                chunk=True))
+            if self.parsed.is_chat:
+                delta, finish_reason = self._chat_delta(index, text, completion.finish_reason)
+                choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish_reason}
+            else:
+                choice = {"index": index, "text": completion.text, "logprobs": logprobs,
+                          "finish_reason": completion.finish_reason}
+            chunks.append(self._envelope([self._with_prompt_logprobs(choice, output)],
+                                         chunk=True))
         return chunks
 
-    def _choice_delta(self, index, text, logprobs, finish_reason) -> dict:
-        if self.parsed.is_chat:
-            return {"index": index, "delta": {"content": text} if text else {},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
+    def _chat_delta(self, index: int, text: str, finish_reason) -> tuple[dict, str | None]:
+        """A chat chunk's delta and finish_reason. Where the request forces tool calls, the
+        text is held (`chunks`) until the choice ends, then sent as whole calls (or, cut
+        short, as content): a client that joins the deltas gets the full reply's message."""
+        if index not in self._held:
+            return ({"content": text} if text else {}), finish_reason
+        if finish_reason is None:
+            return {}, None
+        message, finish_reason = self._chat_message(self._held.pop(index), finish_reason)
+        if message["content"] is not None:
+            return ({"content": message["content"]} if message["content"] else {}), finish_reason
+        return {"tool_calls": [{"index": i, **call} for i, call in
+                               enumerate(message["tool_calls"])]}, finish_reason
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 

@@ -7,6 +7,7 @@ the constraint compiled).
                      {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     guided_json, guided_regex, guided_choice, guided_grammar: vLLM's older names
+    tools (with tool_choice "required" or a named function): the calls' schema (tools_api)
 """
 
 from jpaged.serve.errors import APIError
@@ -16,10 +17,14 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
            "guided_grammar": "grammar"}
 
 
-def structured_outputs(body: dict, constraints) -> StructuredOutputsParams | None:
+def structured_outputs(body: dict, constraints,
+                       tool_schema: dict | None = None) -> StructuredOutputsParams | None:
     """The request's constraint (None: unconstrained), compiled with `constraints` (the engine's
-    `ConstraintCompiler`) so that a bad one is refused here; APIError naming the field."""
+    `ConstraintCompiler`) so that a bad one is refused here; APIError naming the field.
+    tool_schema: the JSON schema the request's tool_choice forces (tools_api)."""
     found = [(name, value) for name, value in _sources(body) if value is not None]
+    if tool_schema is not None:
+        found.append(("tools", {"json": tool_schema}))
     if len(found) > 1:
         names = ", ".join(f"'{name}'" for name, _ in found)
         raise APIError(f"give at most one output constraint, got {names}", param=found[1][0])

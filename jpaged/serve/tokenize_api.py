@@ -18,12 +18,13 @@ them on a worker thread.
 import json
 from pathlib import Path
 
+from jpaged.serve import tools_api
 from jpaged.serve.openai_api import APIError, ModelInfo, body_field, chat_messages, check_model
 
 # Chat options of vLLM's that would change the tokens and that this server does not implement:
 # refused by name rather than ignored.
 _UNSUPPORTED_CHAT = {"continue_final_message": (False,), "chat_template": (None,),
-                     "tools": (None, []), "mm_processor_kwargs": (None, {})}
+                     "mm_processor_kwargs": (None, {})}
 
 
 def tokenize(body: dict, model: ModelInfo) -> dict:
@@ -49,9 +50,11 @@ def _chat_text(body: dict, model: ModelInfo) -> tuple[str, bool]:
             raise APIError(f"'{name}' is not supported by this server", param=name,
                            code="unsupported_parameter")
     messages = chat_messages(body)
+    tools, _ = tools_api.checked_tools(body)    # written into the prompt, as chat does
     add_generation_prompt = body_field(body, "add_generation_prompt", (bool,), True)
     try:
-        text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                          tools=tools)
     except Exception as err:  # a template may raise on, e.g., roles out of order
         raise APIError(f"the chat template failed on these messages: {err}",
                        param="messages") from err

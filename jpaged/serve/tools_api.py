@@ -1,0 +1,171 @@
+"""Function calling on /v1/chat/completions: OpenAI's `tools` and `tool_choice`.
+
+    tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}]
+    tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: true (default) | false: with "required", at most one call
+
+A named function or "required" becomes a JSON-schema constraint on the reply (the structured
+outputs machinery), so every call the reply makes parses and matches its function's
+`parameters`: named, the output is the arguments object; required, a list of
+`{"name", "parameters"}` objects, one schema branch per tool. The tools reach the chat template
+(its `tools` variable) whatever the choice, as transformers passes them. "auto" would need the
+model's own tool-call syntax found in free text (a per-family parser); this server has none, so
+"auto" (the default when tools are given) is a 400 that says which choices work.
+
+The reply carries `message.tool_calls` ([{"id", "type": "function", "function": {"name",
+"arguments"}}], arguments a JSON string) and `content` null; finish_reason "tool_calls" for
+"required" and "stop" for a named function (OpenAI's and vLLM's). A reply cut short
+(finish_reason "length") has no complete call: its text stays in `content`.
+"""
+
+import dataclasses
+import json
+import re
+import uuid
+
+from jpaged.serve.errors import APIError
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")     # OpenAI's rule for function names
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}   # none
+CHOICES = ("none", "auto", "required")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCalling:
+    """A request's tools (OpenAI's shape, as chat templates take them) and what it forces."""
+    tools: list[dict]
+    choice: str                      # "none", "required" or "named"
+    name: str | None = None          # the named function
+    schema: dict | None = None       # the reply's JSON schema (None: unconstrained)
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The reply's tool calls in OpenAI's shape, or None when `text` holds none (a reply
+        cut short, or unconstrained)."""
+        if self.schema is None:
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.choice == "named":
+            pairs = [(self.name, value)] if isinstance(value, dict) else []
+        else:
+            pairs = [(item.get("name"), item.get("parameters")) for item in value
+                     if isinstance(item, dict)] if isinstance(value, list) else []
+        if not pairs:
+            return None
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments,
+                                                                     ensure_ascii=False)}}
+                for name, arguments in pairs]
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.choice == "required" else "stop"
+
+
+def tool_calling(body: dict) -> ToolCalling | None:
+    """The request's `tools` and `tool_choice`, checked (APIError naming the field); None when
+    it gives no tools."""
+    tools, functions = checked_tools(body)
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise APIError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise APIError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    choice = "auto" if choice is None else choice
+    if choice == "none":
+        return ToolCalling(tools, "none")
+    if choice == "auto":
+        raise APIError("tool_choice 'auto' is not supported: this server does not parse "
+                       "tool calls out of free text; give tool_choice 'required', a named "
+                       "function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or "
+                       "'none'", param="tool_choice", code="unsupported_parameter")
+    if choice == "required":
+        branches = [{"type": "object", "additionalProperties": False,
+                     "required": ["name", "parameters"],
+                     "properties": {"name": {"type": "string", "enum": [name]},
+                                    "parameters": function["parameters"]}}
+                    for name, function in functions.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolCalling(tools, "required", schema=schema)
+    name = _named(choice)
+    if name not in functions:
+        raise APIError(f"'tool_choice' names the function '{name}', which 'tools' does not "
+                       f"have (it has {sorted(functions)})", param="tool_choice")
+    return ToolCalling(tools, "named", name=name, schema=functions[name]["parameters"])
+
+
+def checked_tools(body: dict) -> tuple[list[dict] | None, dict[str, dict]]:
+    """The request's `tools` (None: none) and {name: {"name", "parameters"}} of its functions;
+    APIError naming the entry at fault."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None, {}
+    if not isinstance(tools, list):
+        raise APIError("'tools' must be an array of {\"type\": \"function\", \"function\": "
+                       "{...}}", param="tools")
+    functions = {}
+    for index, tool in enumerate(tools):
+        function = _function(tool, f"tools[{index}]")
+        if function["name"] in functions:
+            raise APIError(f"'tools' has the function '{function['name']}' twice",
+                           param=f"tools[{index}]")
+        functions[function["name"]] = function
+    return tools, functions
+
+
+def _function(tool, where: str) -> dict:
+    """{"name", "parameters"} of one entry of `tools`."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" \
+            or not isinstance(tool.get("function"), dict):
+        raise APIError(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                       param=where)
+    function = tool["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise APIError(f"'{where}.function.name' must be 1 to 64 letters, digits, '_' or '-', "
+                       f"got {json.dumps(name)[:80]}", param=f"{where}.function.name")
+    parameters = function.get("parameters", _NO_PARAMETERS)
+    if not isinstance(parameters, dict):
+        raise APIError(f"'{where}.function.parameters' must be a JSON schema object",
+                       param=f"{where}.function.parameters")
+    return {"name": name, "parameters": parameters}
+
+
+def _named(choice) -> str:
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        return choice["function"]["name"]
+    raise APIError(f"'tool_choice' must be one of {list(CHOICES)} or {{\"type\": \"function\", "
+                   "\"function\": {\"name\": ...}}", param="tool_choice")
+
+
+def message_tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's `tool_calls`, checked, with each call's `arguments` (a JSON string
+    on the wire) parsed into the object chat templates write with `tojson`, as transformers
+    expects them."""
+    if not isinstance(calls, list):
+        raise APIError(f"'{where}.tool_calls' must be an array", param=f"{where}.tool_calls")
+    parsed = []
+    for index, call in enumerate(calls):
+        at = f"{where}.tool_calls[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments"), str):
+            raise APIError(f"'{at}' must be {{\"id\": ..., \"type\": \"function\", \"function\": "
+                           "{\"name\": ..., \"arguments\": \"<JSON>\"}}", param=at)
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError as err:
+            raise APIError(f"'{at}.function.arguments' is not JSON: {err}",
+                           param=f"{at}.function.arguments") from err
+        parsed.append({"id": call.get("id"), "type": "function",
+                       "function": {"name": function["name"], "arguments": arguments}})
+    return parsed
