@@ -1,6 +1,8 @@
 """The Pallas grouped matmul (pallas_kernels/gpu/grouped_matmul.py) against its oracle,
 `jax.lax.ragged_dot`: in the Pallas interpreter on a CPU, compiled on a GPU (`make test-gpu`)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,34 @@ def test_grouped_matmul_is_ragged_dot(case, dtype, block_rows):
                                rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", ["mixed", "a row each"])
+def test_reduction_split_into_parts_is_ragged_dot(case, dtype, splits):
+    """I of 96 / 72 is 2 steps of BLOCK_K: 3 and 7 parts leave parts without steps."""
+    x, w, sizes = inputs(case, dtype)
+    got = gm.grouped_matmul(x, w, sizes, interpret=not ON_GPU, splits=splits)
+    assert got.shape == (x.shape[0], w.shape[2]) and got.dtype == dtype
+    defined = int(sizes.sum())
+    tolerance = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[:defined], np.float32),
+                               reference(x, w, sizes)[:defined], rtol=tolerance, atol=tolerance)
+
+
+def test_parts_follow_the_shapes():
+    """Qwen3-30B-A3B at one decode token (8 rows, 128 experts) splits both projections; from
+    64 rows on the tiles alone fill the grid; Mixtral's long down projection splits at a token."""
+    assert gm.num_splits(8, 128, 2048, 1536) == 8           # gate/up: 108 programs x 32 steps
+    assert gm.num_splits(8, 128, 768, 2048) == 6            # down: 144 programs x 12 steps
+    assert gm.num_splits(512, 128, 2048, 1536) == 1
+    assert gm.num_splits(2, 8, 14336, 4096) > 1
+    assert gm.num_splits(4, 2, 64, 64) == 1                 # one step of I: nothing to split
+    for rows in (1, 8, 64, 512):
+        parts = gm.num_splits(rows, 128, 2048, 1536)
+        steps = -(-2048 // gm.BLOCK_K)
+        assert steps // parts >= gm.MIN_SPLIT_STEPS or parts == 1
+
+
 def test_float32_output_of_bfloat16_inputs():
     x, w, sizes = inputs("mixed", jnp.bfloat16)
     got = gm.grouped_matmul(x, w, sizes, out_dtype=jnp.float32, interpret=not ON_GPU)
@@ -85,11 +115,12 @@ def test_tiles_cover_each_row_once_within_its_group(block_rows):
         assert (end > start).sum() == sum(-(-int(n) // block_rows) for n in sizes)
 
 
-def test_lowers_to_a_triton_kernel_for_the_gpu():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_lowers_to_a_triton_kernel_for_the_gpu(splits):
     """The kernel lowers for CUDA here too (the Pallas-to-Triton step, without a GPU): a CPU
     machine catches an unsupported operation before a GPU run does."""
     lowered = export.export(
-        jax.jit(gm.grouped_matmul), platforms=["cuda"],
+        jax.jit(functools.partial(gm.grouped_matmul, splits=splits)), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
             jax.ShapeDtypeStruct((64, 256), jnp.bfloat16),
             jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16),
@@ -107,16 +138,20 @@ def test_bad_shapes_are_named():
         gm.grouped_matmul(x, w.astype(jnp.bfloat16), sizes, interpret=True)
     with pytest.raises(ValueError, match="block_rows"):
         gm.grouped_matmul(x, w, sizes, interpret=True, block_rows=24)
+    with pytest.raises(ValueError, match="splits"):
+        gm.grouped_matmul(x, w, sizes, interpret=True, splits=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled on a GPU (make test-gpu)")
-def test_compiled_at_a_mixture_of_experts_decode_shape():
-    """Qwen3-30B-A3B's gate/up at 8 decode tokens (64 rows over 128 experts), bf16."""
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_compiled_at_a_mixture_of_experts_decode_shape(num_tokens):
+    """Qwen3-30B-A3B's gate/up at 1 and 8 decode tokens (8 / 64 rows over 128 experts; one
+    token's reduction runs in parts), bf16."""
     rng = np.random.default_rng(2)
-    ids = np.sort(rng.choice(128, size=(8, 8), replace=True).reshape(-1))
+    ids = np.sort(rng.choice(128, size=(num_tokens, 8), replace=True).reshape(-1))
     sizes = jnp.asarray(np.bincount(ids, minlength=128), jnp.int32)
-    x = jnp.asarray(rng.standard_normal((64, 2048)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((8 * num_tokens, 2048)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((128, 2048, 1536)) * 0.02, jnp.bfloat16)
     got = gm.grouped_matmul(x, w, sizes)
     np.testing.assert_allclose(np.asarray(got, np.float32), reference(x, w, sizes),

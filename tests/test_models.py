@@ -13,7 +13,7 @@ from jpaged.kv_cache import KVCache, init_cache
 from jpaged.models import AttentionMetadata, LlamaForCausalLM, load_model
 from jpaged.models.layers import RMSNorm, rotary_cos_sin
 from pallas_kernels.reference import apply_rotary
-from tests.hf_fixtures import FLOAT32_CHECKPOINTS, VOCAB_SIZE
+from tests.hf_fixtures import FLOAT32_CHECKPOINTS, MOE_CHECKPOINTS, VOCAB_SIZE
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -146,9 +146,11 @@ def test_chunked_prefill_attends_to_cached_chunk(hf_checkpoints, name):
 
 def _pallas_cases():
     """(backend, checkpoint) for the Pallas kernels on models that slide a window (and soft-cap
-    scores: Gemma 2) or have a head size that is not a power of two (Phi-3)."""
+    scores: Gemma 2), have a head size that is not a power of two (Phi-3) or route tokens to
+    experts (their GPU backends' grouped matmul is a Pallas kernel)."""
     return [(name, backend) for backend in ("pallas_gpu", "pallas_tpu")
-            for name in ("mistral_window", "gemma2", "phi3")]
+            for name in ("mistral_window", "gemma2", "phi3")] + [
+        (name, "pallas_gpu") for name in MOE_CHECKPOINTS]   # the Pallas grouped matmul too
 
 
 @pytest.mark.parametrize("name", GREEDY_CHECKPOINTS)

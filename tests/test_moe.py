@@ -72,14 +72,32 @@ def _oracle(moe: SparseMoE, x: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas_gpu"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_grouped_experts_equal_each_token_computed_alone(num_tokens, norm_topk_prob):
-    """Few tokens leave most experts without rows, many give every expert several."""
+def test_grouped_experts_equal_each_token_computed_alone(num_tokens, norm_topk_prob, backend):
+    """Few tokens leave most experts without rows, many give every expert several. Both
+    grouped matmuls: ragged_dot (reference) and the Pallas GPU kernel (interpreted here)."""
     moe = _moe(_moe_config(norm_topk_prob=norm_topk_prob, top_k=3))
     x = np.random.default_rng(num_tokens).standard_normal((num_tokens, HIDDEN)).astype(np.float32)
-    got = np.asarray(moe(jnp.asarray(x), "highest"))
+    got = np.asarray(moe(jnp.asarray(x), "highest", backend=backend,
+                         interpret=jax.default_backend() != "gpu"))
     np.testing.assert_allclose(got, _oracle(moe, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_backends_run_the_pallas_grouped_matmul():
+    """The step's backend picks the experts' kernel: the Pallas grouped matmul for the GPU
+    backends, ragged_dot for the reference (and the differentiable training forward)."""
+    moe = _moe(_moe_config())
+    x = jnp.ones((4, HIDDEN), jnp.float32)
+
+    def program(backend):
+        return str(jax.make_jaxpr(lambda x: moe(x, backend=backend, interpret=True))(x))
+
+    assert "ragged_dot" in program("reference") and "pallas_call" not in program("reference")
+    for backend in ("pallas_gpu", "pallas_mosaic_gpu"):
+        assert program(backend).count("jpaged_grouped_matmul") == 2     # gate/up and down
+        assert "ragged_dot" not in program(backend)
 
 
 def test_grouped_experts_in_bfloat16_stay_close():

@@ -21,8 +21,11 @@ from pallas_kernels.batch_invariant import TILE_ROWS, map_tiles  # noqa: F401
 from pallas_kernels.batch_invariant import gated as invariant_gated  # noqa: F401
 from pallas_kernels.batch_invariant import matmul as invariant_matmul  # noqa: F401
 from pallas_kernels.batch_invariant import rms_norm as invariant_rms_norm  # noqa: F401
+# The experts' grouped matmul of a mixture of experts on the GPU backends (`moe`).
+from pallas_kernels.gpu.grouped_matmul import grouped_matmul  # noqa: F401
 
 BACKENDS = pallas_kernels.BACKENDS
+GPU_BACKENDS = pallas_kernels.GPU_BACKENDS
 
 
 @jax.tree_util.register_dataclass

@@ -110,7 +110,9 @@ class LlamaDecoderLayer(nnx.Module):
         attn_out, cache = self.self_attn(rows.norm(self.input_layernorm, x), cos, sin, cache,
                                          metadata, precision, rows)
         x = x + attn_out
-        return x + self.mlp(rows.norm(self.post_attention_layernorm, x), precision, rows), cache
+        mlp_out = _run_mlp(self.mlp, rows.norm(self.post_attention_layernorm, x), metadata,
+                           precision, rows)
+        return x + mlp_out, cache
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -130,9 +132,18 @@ class GemmaDecoderLayer(nnx.Module):
         attn_out, cache = self.self_attn(rows.norm(self.input_layernorm, x), cos, sin, cache,
                                          metadata, precision, rows)
         x = x + rows.norm(self.post_attention_layernorm, attn_out)
-        mlp_out = rows.norm(self.post_feedforward_layernorm,
-                            self.mlp(rows.norm(self.pre_feedforward_layernorm, x), precision, rows))
+        mlp_out = _run_mlp(self.mlp, rows.norm(self.pre_feedforward_layernorm, x), metadata,
+                           precision, rows)
+        mlp_out = rows.norm(self.post_feedforward_layernorm, mlp_out)
         return x + mlp_out, cache
+
+
+def _run_mlp(mlp, x, metadata, precision, rows):
+    """A layer's MLP on x; a mixture of experts also takes the step's kernel choice (its grouped
+    matmul follows metadata.backend, `jpaged.models.moe`)."""
+    if isinstance(mlp, SparseMoE):
+        return mlp(x, precision, rows, backend=metadata.backend, interpret=metadata.interpret)
+    return mlp(x, precision, rows)
 
 
 def _mlp(config: ModelConfig, layer_index: int, dtype, rngs, mesh) -> GatedMLP | SparseMoE:

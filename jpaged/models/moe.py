@@ -1,10 +1,14 @@
 """A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a softmax router picks each token's top-k
 experts, and the experts run as grouped matmuls over the tokens routed to each.
 
-Grouped, never dense: the T x k (token, expert) pairs are sorted by expert, and one
-`jax.lax.ragged_dot` per projection multiplies each expert's contiguous run of rows by that
-expert's weights, so the work is T x k rows whatever the number of experts. Every shape is
-static (T x k rows, X groups whose sizes are data), so a step never recompiles for a routing.
+Grouped, never dense: the T x k (token, expert) pairs are sorted by expert, and one grouped
+matmul per projection multiplies each expert's contiguous run of rows by that expert's weights,
+so the work is T x k rows whatever the number of experts. Every shape is static (T x k rows, X
+groups whose sizes are data), so a step never recompiles for a routing. The grouped matmul is
+the step's kernel choice (`AttentionMetadata.backend`): with the GPU Pallas backends the Pallas
+grouped matmul (`pallas_kernels.gpu.grouped_matmul`: XLA's GPU ragged_dot multiplies every row
+by every expert, benchmarks/results/moe_h100.md), elsewhere `jax.lax.ragged_dot` (the reference,
+a TPU's own lowering of it, and the training forward, which differentiates it).
 
 Numerics follow transformers: router logits in the model dtype, softmax in float32, top-k,
 renormalised where the config says; each expert's output scaled by its weight (in float32
@@ -20,6 +24,8 @@ size, P devices. Weights [X, E, 2F] and [X, F, E]: each expert's [in, out], like
 (`packing.is_transposed`); gate and up packed as in `packing.gate_up_packing`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,7 +35,7 @@ from jax.sharding import PartitionSpec
 from jpaged import parallel
 from jpaged.config import ModelConfig
 from jpaged.models import row_tiles
-from jpaged.models.attention import row_ops
+from jpaged.models.attention import GPU_BACKENDS, grouped_matmul, row_ops
 from jpaged.models.layers import DOT_PRECISIONS, normal
 
 
@@ -83,10 +89,12 @@ class SparseMoE(nnx.Module):
         return (jnp.take_along_axis(expert_ids, order, axis=-1).astype(jnp.int32),
                 jnp.take_along_axis(weights, order, axis=-1))
 
-    def __call__(self, x, precision: str = "default", rows=row_tiles.WHOLE):
+    def __call__(self, x, precision: str = "default", rows=row_tiles.WHOLE, *,
+                 backend: str = "reference", interpret: bool = False):
         """x [T, E] -> [T, E]; precision: the matmuls' (a `DOT_PRECISIONS` name). rows: the
         layers' runner (`row_tiles.runner`); only `WHOLE`, as the batch-invariant mode refuses
-        mixtures of experts (their grouped matmuls group tokens by expert)."""
+        mixtures of experts (their grouped matmuls group tokens by expert). backend, interpret:
+        the step's kernels (`AttentionMetadata`'s fields), which pick the grouped matmul."""
         if rows.is_tiled:
             raise ValueError("a mixture of experts cannot run in the batch-invariant mode")
         num_tokens, k = x.shape[0], self.top_k
@@ -97,10 +105,11 @@ class SparseMoE(nnx.Module):
         rows = jnp.take(x, by_expert // k, axis=0)                         # [T*k, E]
         operands = (rows, self.experts.gate_up_proj[...], self.experts.down_proj[...],
                     group_sizes)
+        matmul = _grouped_matmul(backend, interpret, precision)
         if self.mesh is None:
-            out = self._grouped_mlp(*operands, precision=precision)
+            out = self._grouped_mlp(*operands, matmul=matmul)
         else:
-            out = self._sharded_grouped_mlp(precision)(*operands)
+            out = self._sharded_grouped_mlp(matmul)(*operands)
         out = jnp.zeros_like(out).at[by_expert].set(out)                   # token order again
         out = out.reshape(num_tokens, k, -1)                               # [T, k, E]
         scaled = (out * weights[..., None]).astype(x.dtype)
@@ -109,16 +118,16 @@ class SparseMoE(nnx.Module):
             total = total + scaled[:, j]
         return total
 
-    def _grouped_mlp(self, rows, gate_up_proj, down_proj, group_sizes, *, precision: str):
+    def _grouped_mlp(self, rows, gate_up_proj, down_proj, group_sizes, *, matmul):
         """rows [R, E] sorted by expert, group_sizes [X'] (rows per expert, in order) -> each
-        row through its expert's gated MLP [R, E] (rows past the sizes' sum: not defined)."""
-        dot = DOT_PRECISIONS[precision]
-        gate_up = jax.lax.ragged_dot(rows, gate_up_proj, group_sizes, precision=dot)  # [R, 2F]
+        row through its expert's gated MLP [R, E] (rows past the sizes' sum: not defined).
+        matmul: the grouped matmul (`_grouped_matmul`)."""
+        gate_up = matmul(rows, gate_up_proj, group_sizes)                          # [R, 2F]
         gate, up = jnp.split(gate_up, 2, axis=-1)
         hidden = row_ops.ACTIVATIONS[self.activation](gate) * up                   # [R, F]
-        return jax.lax.ragged_dot(hidden, down_proj, group_sizes, precision=dot)      # [R, E]
+        return matmul(hidden, down_proj, group_sizes)                               # [R, E]
 
-    def _sharded_grouped_mlp(self, precision: str):
+    def _sharded_grouped_mlp(self, matmul):
         """`_grouped_mlp` per device on the mesh, then summed over the devices."""
         axis = parallel.AXIS
         if self.expert_parallel:
@@ -129,15 +138,14 @@ class SparseMoE(nnx.Module):
                 begin = jnp.where(first > 0, ends[first - 1], 0)           # first local row
                 sizes = jax.lax.dynamic_slice(group_sizes, (first,), (num_local,))
                 mine = jnp.roll(rows, -begin, axis=0)                      # local rows first
-                out = self._grouped_mlp(mine, gate_up_proj, down_proj, sizes,
-                                        precision=precision)
+                out = self._grouped_mlp(mine, gate_up_proj, down_proj, sizes, matmul=matmul)
                 is_mine = jnp.arange(rows.shape[0]) < jnp.sum(sizes)
                 out = jnp.roll(jnp.where(is_mine[:, None], out, 0), begin, axis=0)
                 return jax.lax.psum(out, axis)
         else:
             def local(rows, gate_up_proj, down_proj, group_sizes):
                 out = self._grouped_mlp(rows, gate_up_proj, down_proj, group_sizes,
-                                        precision=precision)
+                                        matmul=matmul)
                 return jax.lax.psum(out, axis)
         replicated = PartitionSpec()
         weight_specs = (parallel.expert_spec("gate_up_proj", self.expert_parallel),
@@ -145,3 +153,13 @@ class SparseMoE(nnx.Module):
         return parallel.per_shard(local, self.mesh,
                                   in_specs=(replicated, *weight_specs, replicated),
                                   out_specs=replicated)
+
+
+def _grouped_matmul(backend: str, interpret: bool, precision: str):
+    """(rows [R, I] sorted by group, weights [X, I, O], group_sizes [X]) -> [R, O]: the Pallas
+    grouped matmul with the GPU Pallas backends, `jax.lax.ragged_dot` with every other."""
+    dot = DOT_PRECISIONS[precision]
+    if backend in GPU_BACKENDS:
+        return functools.partial(grouped_matmul, interpret=interpret,
+                                 precision=jax.lax.Precision.DEFAULT if dot is None else dot)
+    return functools.partial(jax.lax.ragged_dot, precision=dot)

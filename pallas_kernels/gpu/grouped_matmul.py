@@ -18,6 +18,12 @@ once. Tiles vary fastest: the programs of one group's tiles and one column block
 side and read that weight tile from memory once between them. A group's weights are read once
 per tile of its rows, the least a tiled product can read; an empty group's never.
 
+Few rows make few tiles, and then few programs each walking all of I would leave most of the
+GPU idle (a decode token of Qwen3-30B-A3B: 8 rows, 96 programs): the reduction is then split
+into parts, a third grid axis, each part's programs summing a contiguous range of I's steps into
+a float32 partial output, and the parts are added afterwards in a fixed order. The number of
+parts is set by the shapes alone (`num_splits`), never by the routing.
+
 Rows past the sum of group_sizes are not written (their values are not defined), as in
 `_grouped_mlp`'s contract. The plain-jnp oracle is `jax.lax.ragged_dot` with float32
 accumulation (the tests' reference).
@@ -35,6 +41,10 @@ BLOCK_COLS = 128   # output columns per program
 BLOCK_K = 64       # the reduction's step along I
 NUM_WARPS = 4
 NUM_STAGES = 4
+# Splitting the reduction: enough programs to fill the GPU several times over (an H100 or H200
+# has 132 multiprocessors), and each part at least this many steps of BLOCK_K.
+TARGET_PROGRAMS = 1024
+MIN_SPLIT_STEPS = 2
 
 
 def max_tiles(num_rows: int, num_groups: int, block_rows: int = BLOCK_ROWS) -> int:
@@ -61,13 +71,25 @@ def tile_list(group_sizes, num_rows: int, block_rows: int = BLOCK_ROWS):
     return jnp.stack([group, jnp.where(valid, start, 0), end])
 
 
-def _grouped_kernel(tiles_ref, x_ref, w_ref, out_ref, *, precision, block_rows):
-    """One (tile, column block) program. tiles_ref [3, T] (`tile_list`), x_ref [R, I],
-    w_ref [X, I, O], out_ref [R, O]."""
-    tile, col_block = pl.program_id(0), pl.program_id(1)
+def num_splits(num_rows: int, num_groups: int, num_in: int, num_out: int,
+               block_rows: int = BLOCK_ROWS) -> int:
+    """How many parts the reduction over I runs in: as many as bring the grid to
+    TARGET_PROGRAMS, each at least MIN_SPLIT_STEPS steps (1: no split). Shapes only."""
+    programs = max_tiles(num_rows, num_groups, block_rows) * pl.cdiv(num_out, BLOCK_COLS)
+    num_steps = pl.cdiv(num_in, BLOCK_K)
+    wanted = max(1, min(TARGET_PROGRAMS // programs, num_steps // MIN_SPLIT_STEPS))
+    return pl.cdiv(num_steps, pl.cdiv(num_steps, wanted))    # no part left without steps
+
+
+def _grouped_kernel(tiles_ref, x_ref, w_ref, out_ref, *, precision, block_rows, split_steps):
+    """One (tile, column block, part) program. tiles_ref [3, T] (`tile_list`), x_ref [R, I],
+    w_ref [X, I, O], out_ref [R, O], or [parts, R, O] float32 when the reduction is split
+    (split_steps: the BLOCK_K steps of I in each part; None: all of them, no split)."""
+    tile, col_block, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, start, end = tiles_ref[0, tile], tiles_ref[1, tile], tiles_ref[2, tile]
     num_in = x_ref.shape[1]
-    num_cols = out_ref.shape[1]
+    num_cols = w_ref.shape[2]
+    num_steps = pl.cdiv(num_in, BLOCK_K) if split_steps is None else split_steps
 
     @pl.when(start < end)
     def _():
@@ -76,7 +98,7 @@ def _grouped_kernel(tiles_ref, x_ref, w_ref, out_ref, *, precision, block_rows):
         is_row, is_col = rows < end, cols < num_cols
 
         def step(i, acc):
-            ks = i * BLOCK_K + jnp.arange(BLOCK_K)
+            ks = (part * num_steps + i) * BLOCK_K + jnp.arange(BLOCK_K)
             is_k = ks < num_in
             x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]],
                            mask=is_row[:, None] & is_k[None, :], other=0)        # [bm, k]
@@ -84,16 +106,19 @@ def _grouped_kernel(tiles_ref, x_ref, w_ref, out_ref, *, precision, block_rows):
                            mask=is_k[:, None] & is_col[None, :], other=0)        # [k, bn]
             return acc + dot_f32(x, w, precision=precision)
 
-        acc = jax.lax.fori_loop(0, pl.cdiv(num_in, BLOCK_K), step,
+        acc = jax.lax.fori_loop(0, num_steps, step,
                                 jnp.zeros((block_rows, BLOCK_COLS), jnp.float32))
-        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
+        where = (rows[:, None], cols[None, :])
+        if split_steps is not None:    # this part's own slice of the partial sums
+            where = (part, *where)
+        plgpu.store(out_ref.at[where], acc.astype(out_ref.dtype),
                     mask=is_row[:, None] & is_col[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("precision", "out_dtype", "interpret",
-                                             "block_rows"))
+                                             "block_rows", "splits"))
 def grouped_matmul(x, w, group_sizes, *, precision=None, out_dtype=None, interpret=False,
-                   block_rows=BLOCK_ROWS):
+                   block_rows=BLOCK_ROWS, splits=None):
     """x [R, I] sorted by group, w [X, I, O], group_sizes [X] int -> [R, O] in out_dtype (None:
     x's): rows of group g times w[g], accumulated in float32; rows past sum(group_sizes) not
     defined. The product `jax.lax.ragged_dot(x, w, group_sizes)` computes.
@@ -101,6 +126,7 @@ def grouped_matmul(x, w, group_sizes, *, precision=None, out_dtype=None, interpr
     x and w of one dtype; precision: of float32 dots (`_compat.float32_precision`; None:
     HIGHEST), 16-bit dots ignore it. interpret: run in the Pallas interpreter (CPU tests).
     block_rows: rows per tile (a power of two, at least 16; tests use small tiles to make many).
+    splits: parts the reduction over I runs in (None: `num_splits` of the shapes).
     """
     if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(f"x [R, I], w [X, I, O] and group_sizes [X] expected, got shapes "
@@ -113,21 +139,34 @@ def grouped_matmul(x, w, group_sizes, *, precision=None, out_dtype=None, interpr
         raise ValueError(f"x in {x.dtype}, w in {w.dtype}: one dtype for both")
     if block_rows < 16 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
-    num_rows, num_cols = x.shape[0], w.shape[2]
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"splits must be a positive int or None, got {splits!r}")
+    num_rows, num_in, num_cols = x.shape[0], x.shape[1], w.shape[2]
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if num_rows == 0:
         return jnp.zeros((0, num_cols), out_dtype)
     tiles = tile_list(group_sizes, num_rows, block_rows)
+    if splits is None:
+        splits = num_splits(num_rows, w.shape[0], num_in, num_cols, block_rows)
+    split_steps = None if splits == 1 else pl.cdiv(pl.cdiv(num_in, BLOCK_K), splits)
     kernel = functools.partial(_grouped_kernel, precision=float32_precision(precision),
-                               block_rows=block_rows)
-    whole = lambda shape: pl.BlockSpec(shape, lambda t, n: (0,) * len(shape))  # noqa: E731
-    return pl.pallas_call(
+                               block_rows=block_rows, split_steps=split_steps)
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, n, p: (0,) * len(shape))  # noqa: E731
+    out_shape = ((num_rows, num_cols), out_dtype) if splits == 1 else \
+        ((splits, num_rows, num_cols), jnp.float32)      # the parts, added below
+    out = pl.pallas_call(
         kernel,
-        grid=(tiles.shape[1], pl.cdiv(num_cols, BLOCK_COLS)),   # tiles fastest
+        grid=(tiles.shape[1], pl.cdiv(num_cols, BLOCK_COLS), splits),   # tiles fastest
         in_specs=[whole(tiles.shape), whole(x.shape), whole(w.shape)],
-        out_specs=whole((num_rows, num_cols)),
-        out_shape=jax.ShapeDtypeStruct((num_rows, num_cols), out_dtype),
+        out_specs=whole(out_shape[0]),
+        out_shape=jax.ShapeDtypeStruct(*out_shape),
         compiler_params=triton_params(NUM_WARPS, NUM_STAGES),
         interpret=interpret,
         name="jpaged_grouped_matmul",
     )(tiles, x, w)
+    if splits == 1:
+        return out
+    total = out[0]
+    for part in range(1, splits):      # a fixed order: the same sum whatever the routing
+        total = total + out[part]
+    return total.astype(out_dtype)
