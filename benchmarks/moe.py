@@ -1,9 +1,12 @@
 """Times a mixture-of-experts MLP layer three ways at a preset's shapes: jpaged's grouped
-matmuls (`jpaged.models.moe.SparseMoE`: tokens sorted by expert, one `jax.lax.ragged_dot` per
-projection), the dense per-expert loop (every token through every expert, weighted by its
-routing weight or zero), and the grouped gate/up matmul alone: `jax.lax.ragged_dot` and the Pallas
-grouped matmul (`pallas_kernels.gpu.grouped_matmul`, on a GPU), against a plain matmul of the
-same shape and against reading the routed experts' gate/up weights.
+matmuls (`jpaged.models.moe.SparseMoE`: tokens sorted by expert, one grouped matmul per
+projection, the Pallas grouped matmul on a GPU as the engine's GPU backends run it, beside the
+same layer on `jax.lax.ragged_dot`), the dense per-expert loop (every token through every expert,
+weighted by its routing weight or zero), and the grouped gate/up matmul alone: `jax.lax.ragged_dot`
+and the Pallas grouped matmul (`pallas_kernels.gpu.grouped_matmul`, on a GPU), against a plain
+matmul of the same shape and against reading the routed experts' gate/up weights. On a GPU the
+Pallas kernel is also timed at each number of parts of its reduction (`--splits`), both
+projections, beside the number it chooses.
 
 Usage (on the GPU machine, from the repository root):
     PYTHONPATH=. python3 benchmarks/moe.py --out /tmp/moe.md [--model qwen3-30b-a3b]
@@ -50,6 +53,9 @@ def parse_args(argv=None):
                         help="tokens per layer call, comma-separated")
     parser.add_argument("--dense-max-tokens", type=int, default=2048,
                         help="largest token count the dense per-expert loop is timed at")
+    parser.add_argument("--splits", default=[1, 2, 4, 8],
+                        type=lambda text: [int(parts) for parts in text.split(",")],
+                        help="numbers of parts of the Pallas kernel's reduction to time (GPU)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=None, help="write the markdown table here too")
     return parser.parse_args(argv)
@@ -61,8 +67,9 @@ def build_layer(config: ModelConfig, dtype) -> tuple:
     return nnx.split(layer)
 
 
-def grouped(graphdef):
-    return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+def grouped(graphdef, backend: str):
+    """The layer as a step of `backend` runs it (its grouped matmul: `SparseMoE.__call__`)."""
+    return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, backend=backend))
 
 
 def dense_loop(graphdef):
@@ -121,13 +128,61 @@ def ragged_only(graphdef, state, x):
     return fn, (rows, layer.experts.gate_up_proj[...], sizes), int((np.asarray(sizes) > 0).sum())
 
 
+def layer_down(graphdef, state):
+    """The layer's down-projection weights [X, F, E]."""
+    return nnx.merge(graphdef, state).experts.down_proj[...]
+
+
+def split_sweep(ragged_args, down_proj, splits) -> dict:
+    """{(projection, parts): seconds} of the Pallas grouped matmul on the sorted rows, gate/up
+    and down (its rows: the first F columns of the gate/up rows' product, any values do), at
+    each number of parts of the reduction and at the kernel's own choice (parts None)."""
+    rows, gate_up_proj, sizes = ragged_args
+    hidden = jnp.zeros((rows.shape[0], down_proj.shape[1]), rows.dtype) + rows[:, :1]
+    cases = {"gate/up": (rows, gate_up_proj, sizes), "down": (hidden, down_proj, sizes)}
+    out = {}
+    for projection, operands in cases.items():
+        for parts in (None, *splits):
+            fn = jax.jit(lambda *a, parts=parts: grouped_matmul.grouped_matmul(*a, splits=parts))
+            out[projection, parts] = timing.or_error(lambda: timing.median_dispatch_seconds(
+                fn, [operands], wait=jax.block_until_ready))
+        num_rows, num_in = operands[0].shape
+        out[projection, "chosen"] = grouped_matmul.num_splits(
+            num_rows, operands[1].shape[0], num_in, operands[1].shape[2])
+    return out
+
+
+def _time_cell(seconds) -> str:
+    """A time in us, or the error that stood in for it."""
+    return f"{timing.us(seconds)} us" if isinstance(seconds, float) else timing.us(seconds)
+
+
+def split_table(rows, splits) -> str:
+    """The split sweep's table: per token count and projection, time at each number of parts."""
+    lines = ["", "The Pallas grouped matmul's reduction in parts: time per number of parts, and "
+             "the kernel's own choice (`num_splits`).", "",
+             "| tokens | projection | chosen parts | chosen | "
+             + " | ".join(f"{parts} parts" for parts in splits) + " |",
+             "|" + "---|" * (4 + len(splits))]
+    for row in rows:
+        for projection in ("gate/up", "down"):
+            sweep = row["splits"]
+            cells = [_time_cell(sweep[projection, parts]) for parts in (None, *splits)]
+            lines.append(f"| {row['tokens']:,} | {projection} | {sweep[projection, 'chosen']} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def time_case(config, graphdef, state, num_tokens: int, args, dtype) -> dict:
     experts = config.experts
     hidden, inter, k = config.hidden_size, experts.moe_intermediate_size, experts.num_experts_per_tok
     keys = jax.random.split(jax.random.key(num_tokens), ROTATIONS)
     inputs = [jax.random.normal(key, (num_tokens, hidden), dtype) for key in keys]
     row = {"tokens": num_tokens}
-    variants = {"grouped": grouped(graphdef)}
+    on_gpu = jax.default_backend() == "gpu"
+    variants = {"grouped": grouped(graphdef, "pallas_gpu" if on_gpu else "reference")}
+    if on_gpu:
+        variants["ragged layer"] = grouped(graphdef, "reference")
     if num_tokens <= args.dense_max_tokens:
         variants["dense loop"] = dense_loop(graphdef)
     for name, fn in variants.items():
@@ -151,6 +206,7 @@ def time_case(config, graphdef, state, num_tokens: int, args, dtype) -> dict:
                 out[:defined], np.asarray(fn(*ragged_args)[:defined], np.float32))
             row["pallas s"] = timing.or_error(lambda: timing.median_dispatch_seconds(
                 pallas, [ragged_args], wait=jax.block_until_ready))
+        row["splits"] = split_sweep(ragged_args, layer_down(graphdef, state), args.splits)
     rows = num_tokens * k
     a = jax.random.normal(keys[0], (rows, hidden), dtype)
     b = jax.random.normal(keys[1], (hidden, 2 * inter), dtype)
@@ -162,10 +218,19 @@ def time_case(config, graphdef, state, num_tokens: int, args, dtype) -> dict:
     return row
 
 
+def _ragged_layer_cells(row) -> str:
+    """The layer on ragged_dot (timed on a GPU, where the layer's own is the Pallas kernel)."""
+    ragged, grouped_s = row.get("ragged layer s"), row["grouped s"]
+    if not isinstance(ragged, float):
+        return f"{timing.us(ragged) if ragged else '-'} | - |"
+    ratio = f"{grouped_s / ragged:.2f}x" if isinstance(grouped_s, float) else "-"
+    return f"{timing.us(ragged)} us | {ratio} |"
+
+
 def table(rows, bandwidth: float, matmul_flops: float) -> str:
     header = ("| tokens | experts used | grouped | dense loop | grouped / dense | floor (weights "
               "read) | grouped / floor | ragged gate/up TFLOP/s | same as one matmul | error "
-              "grouped / dense |")
+              "grouped / dense | layer on ragged_dot | grouped / ragged_dot |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
         grouped_s, dense_s = row["grouped s"], row.get("dense loop s")
@@ -180,7 +245,8 @@ def table(rows, bandwidth: float, matmul_flops: float) -> str:
             f"{row['ragged flops'] / row['ragged s'] / 1e12:.1f} | "
             f"{row['ragged flops'] / row['matmul s'] / 1e12:.1f} | "
             f"{row['grouped error']:.1e} / "
-            f"{format(row['dense loop error'], '.1e') if 'dense loop error' in row else '-'} |")
+            f"{format(row['dense loop error'], '.1e') if 'dense loop error' in row else '-'} | "
+            + _ragged_layer_cells(row))
     if any("pallas s" in row for row in rows):
         lines += ["", "The gate/up grouped matmul alone: `jax.lax.ragged_dot` against the Pallas "
                   "grouped matmul; floor: the routed experts' gate/up weights read once.", "",
@@ -200,6 +266,10 @@ def table(rows, bandwidth: float, matmul_flops: float) -> str:
                 f"| {row['tokens']:,} | {timing.us(row['ragged s'])} us | {pallas} | "
                 f"{over_ragged} | {floor * 1e6:.1f} us | {over_floor} | {rate} | "
                 f"{row.get('pallas error', float('nan')):.1e} |")
+    splits = sorted({parts for row in rows for (_, parts) in row.get("splits", {})
+                     if isinstance(parts, int)})
+    if splits:
+        lines.append(split_table([row for row in rows if "splits" in row], splits))
     lines.append(f"\nceilings in this run: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul "
                  f"{matmul_flops / 1e12:.0f} TFLOP/s")
     return "\n".join(lines)

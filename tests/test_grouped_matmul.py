@@ -170,3 +170,16 @@ def test_moe_benchmark_tables_the_pallas_column():
     lines = text.splitlines()
     assert "| 8 | 100.0 us | 50.0 us | 0.50x | 50.0 us | 1.00x | 80.0 | 2.0e-03 |" in lines
     assert "| 64 | 100.0 us | error: ValueError: no | - | 50.0 us | - | - | nan |" in lines
+
+
+def test_moe_benchmark_tables_the_split_sweep():
+    """benchmarks/moe.py's third table (filled on a GPU): per projection, the chosen number of
+    parts and the time at each."""
+    from benchmarks import moe
+
+    sweep = {("gate/up", None): 1e-5, ("gate/up", 1): 4e-5, ("gate/up", 2): 2e-5,
+             ("gate/up", "chosen"): 8, ("down", None): 3e-5, ("down", 1): 3e-5,
+             ("down", 2): "error: ValueError: no", ("down", "chosen"): 1}
+    lines = moe.split_table([{"tokens": 1, "splits": sweep}], [1, 2]).splitlines()
+    assert "| 1 | gate/up | 8 | 10.0 us | 40.0 us | 20.0 us |" in lines
+    assert "| 1 | down | 1 | 30.0 us | 30.0 us | error: ValueError: no |" in lines
