@@ -19,6 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from jpaged import LLM, SamplingParams
+from jpaged.serve import chat
 from jpaged.serve import openai_api as api
 from jpaged import serve
 from jpaged.serve.async_engine import AsyncEngine
@@ -281,7 +282,7 @@ def test_a_tool_call_stream_joins_to_the_full_reply(app_client):
 
 
 def test_chat_templates_get_the_tools_and_calls_as_transformers_gives_them():
-    template = api.ChatTemplate(
+    template = chat.ChatTemplate(
         "{% if tools %}{{ tools | map(attribute='function.name') | join(',') }};{% endif %}"
         "{% for m in messages %}{{ m.role }}={% if m.tool_calls %}"
         "{{ m.tool_calls[0].function.arguments.a }}{% else %}{{ m.content }}{% endif %};"
@@ -291,11 +292,11 @@ def test_chat_templates_get_the_tools_and_calls_as_transformers_gives_them():
                              {"id": "c1", "type": "function",
                               "function": {"name": "add", "arguments": '{"a": 7}'}}]},
                          {"role": "tool", "tool_call_id": "c1", "content": "8"}]}
-    messages = api.chat_messages(body)
+    messages = chat.chat_messages(body)
     assert messages[2] == {"role": "tool", "content": "8", "tool_call_id": "c1"}
     assert template.render(messages, tools=TOOLS) == "add,now;user=Add?;assistant=7;tool=8;"
     assert template.render(messages) == "user=Add?;assistant=7;tool=8;"
-    assert api.ChatTemplate().render(messages, tools=TOOLS[1:]) == (
+    assert chat.ChatTemplate().render(messages, tools=TOOLS[1:]) == (
         'tools: [{"name":"now"}]\nuser: Add?\n'
         'assistant: [{"name":"add","arguments":{"a":7}}]\ntool: 8\nassistant:')
 
@@ -831,14 +832,14 @@ def test_the_tables_checks_name_the_flag(capsys, argv, flag):
 
 def test_chat_template_from_tokenizer_config_and_default(tmp_path):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    assert api.ChatTemplate().render(messages) == "user: hi\nassistant: yo\nassistant:"
+    assert chat.ChatTemplate().render(messages) == "user: hi\nassistant: yo\nassistant:"
     config = {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": (
         "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}"
         "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    template = api.ChatTemplate.from_model_dir(tmp_path)
+    template = chat.ChatTemplate.from_model_dir(tmp_path)
     assert template.render(messages) == "<s>[user]hi</s>[assistant]yo</s>[assistant]"
-    strict = api.ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    strict = chat.ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ValueError, match="alternate"):
         strict.render(messages)
 

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from jpaged import LLM
 from jpaged.engine.builder import default_model_dir
+from jpaged.serve import chat
 from jpaged.serve import openai_api as api
 from jpaged.serve import build_app, model_info, tokenize_api
 from jpaged.serve.async_engine import AsyncEngine
@@ -57,19 +58,19 @@ def test_a_prompt_longer_than_the_context_is_counted_not_refused(client):
 
 def test_chat_messages_are_counted_as_the_chat_endpoint_renders_them(client):
     reply = _ok(client.post("/tokenize", json={"messages": CHAT}))
-    chat = _ok(client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}))
-    assert reply["count"] == chat["usage"]["prompt_tokens"]
+    served = _ok(client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}))
+    assert reply["count"] == served["usage"]["prompt_tokens"]
     bare = _ok(client.post("/tokenize", json={"messages": CHAT,
                                               "add_generation_prompt": False}))
-    template = api.ChatTemplate()   # the built-in model has no template of its own
+    template = chat.ChatTemplate()   # the built-in model has no template of its own
     assert bare["tokens"] == client.engine.tokenizer.encode(
         template.render(CHAT, add_generation_prompt=False)).ids
     assert bare["count"] < reply["count"]
     tools = [{"type": "function", "function": {"name": "now"}}]
     with_tools = _ok(client.post("/tokenize", json={"messages": CHAT, "tools": tools}))
-    chat = _ok(client.post("/v1/chat/completions", json={
+    served = _ok(client.post("/v1/chat/completions", json={
         "messages": CHAT, "max_tokens": 1, "tools": tools, "tool_choice": "none"}))
-    assert with_tools["count"] == chat["usage"]["prompt_tokens"] > reply["count"]
+    assert with_tools["count"] == served["usage"]["prompt_tokens"] > reply["count"]
 
 
 @pytest.mark.parametrize("text", ["def main(", "é🙂\n日本語", " leading  spaces\tand\ttabs "])
@@ -140,7 +141,7 @@ def hf_model(tmp_path_factory) -> api.ModelInfo:
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "chat_template": TEMPLATE,
                                        "model_max_length": 2048}))
-    template = api.ChatTemplate.from_model_dir(directory)
+    template = chat.ChatTemplate.from_model_dir(directory)
     tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     return api.ModelInfo(name="hf", vocab_size=hf_fixtures.VOCAB_SIZE, max_model_len=64,
                          tokenizer=tokenizer, chat_template=template,

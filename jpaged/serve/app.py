@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpaged.serve import openai_api as api
-from jpaged.serve import tokenize_api
+from jpaged.serve import chat, replies, tokenize_api
 from jpaged.serve.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestGroup
 from jpaged.serve.data_parallel import DataParallelEngine
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 def model_info(engine, model_dir, name: str) -> api.ModelInfo:
-    chat_template = api.ChatTemplate.from_model_dir(model_dir)
+    chat_template = chat.ChatTemplate.from_model_dir(model_dir)
     return api.ModelInfo(name=name, tokenizer=engine.tokenizer,
                          vocab_size=engine.model_config.vocab_size,
                          max_model_len=engine.config.max_model_len,
@@ -177,7 +177,7 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
         return await _generate(request, await parse_request(request, api.parse_chat))
 
     async def _generate(request: Request, parsed: api.ParsedRequest):
-        builder = api.ReplyBuilder(parsed, model)
+        builder = replies.ReplyBuilder(parsed, model)
         request_ids = [f"{builder.id}-{i}" for i in range(len(parsed.prompts))]
         group = RequestGroup(async_engine, request_ids, parsed.params, parsed.prompts)
         try:
@@ -228,20 +228,20 @@ def _too_large(limit: int) -> api.APIError:
                         "(--max-request-bytes)", status=413, code="request_too_large")
 
 
-async def _stream(group: RequestGroup, builder: api.ReplyBuilder, parsed: api.ParsedRequest):
+async def _stream(group: RequestGroup, builder: replies.ReplyBuilder, parsed: api.ParsedRequest):
     for chunk in builder.first_chunks():
-        yield api.sse(chunk)
+        yield replies.sse(chunk)
     try:
         async for prompt_index, output in group.events():
             for chunk in builder.chunks(prompt_index, output):
-                yield api.sse(chunk)
+                yield replies.sse(chunk)
     except EngineError as err:
-        yield api.sse(api.APIError(str(err), status=500, type="internal_server_error").body())
+        yield replies.sse(api.APIError(str(err), status=500, type="internal_server_error").body())
     else:
         if parsed.include_usage:
-            yield api.sse(builder.usage_chunk(group.num_prompt_tokens,
+            yield replies.sse(builder.usage_chunk(group.num_prompt_tokens,
                                               group.num_output_tokens))
-    yield api.sse("[DONE]")
+    yield replies.sse("[DONE]")
 
 
 async def _unless_disconnected(request: Request, work):

@@ -19,7 +19,9 @@ import json
 from pathlib import Path
 
 from jpaged.serve import tools_api
-from jpaged.serve.openai_api import APIError, ModelInfo, body_field, chat_messages, check_model
+from jpaged.serve.chat import chat_messages
+from jpaged.serve.fields import body_field
+from jpaged.serve.openai_api import APIError, ModelInfo, check_model
 
 # Chat options of vLLM's that would change the tokens and that this server does not implement:
 # refused by name rather than ignored.

@@ -1,0 +1,222 @@
+"""OpenAI's reply shapes: the full reply of a request and its stream's chunks (server-sent
+events), built from the engine's outputs."""
+
+import json
+import time
+import uuid
+
+from jpaged.request import RequestOutput
+from jpaged.serve.openai_api import ModelInfo, ParsedRequest
+
+
+def new_id(is_chat: bool) -> str:
+    return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+class ReplyBuilder:
+    """Builds the full reply (from CUMULATIVE outputs), or the stream's chunks (from DELTA
+    outputs), of one parsed request. Choice index = prompt index * n + sample index, as OpenAI
+    does.
+    """
+
+    def __init__(self, parsed: ParsedRequest, model: ModelInfo):
+        self.parsed, self.model = parsed, model
+        self.id, self.created = new_id(parsed.is_chat), int(time.time())
+        self._object = "chat.completion" if parsed.is_chat else "text_completion"
+        self._text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+        self._finished: set[int] = set()
+        self._held: dict[int, str] = {}   # choice index -> text of a stream's tool calls so far
+
+    def _chat_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """(the assistant message, the choice's finish_reason): tool calls where the request
+        forces them and the reply completed them, else the text as content."""
+        tools = self.parsed.tools
+        calls = tools.calls(text) if tools is not None and finish_reason == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, tools.finish_reason
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = self._object + (".chunk" if chunk and self.parsed.is_chat else "")
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.model.name, "choices": choices}
+
+    def full(self, outputs: list[RequestOutput]) -> dict:
+        """The non-streaming reply for every prompt's final output, in prompt order."""
+        choices = []
+        for prompt_index, output in enumerate(outputs):
+            for completion in output.outputs:
+                index = prompt_index * self.parsed.params.n + completion.index
+                if self.parsed.is_chat:
+                    message, finish_reason = self._chat_message(completion.text,
+                                                                completion.finish_reason)
+                    choice = {"index": index, "message": message,
+                              "logprobs": self._logprobs(completion.token_ids,
+                                                         completion.logprobs, 0),
+                              "finish_reason": finish_reason}
+                else:
+                    choice = self._completion_choice(index, output, completion)
+                choices.append(self._with_prompt_logprobs(choice, output))
+        choices.sort(key=lambda choice: choice["index"])
+        num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        num_completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+        return {**self._envelope(choices, chunk=False),
+                "usage": usage(num_prompt_tokens, num_completion_tokens)}
+
+    def _completion_choice(self, index: int, output: RequestOutput, completion) -> dict:
+        """A /v1/completions choice; with echo, the prompt's text (and its tokens' logprobs)
+        first."""
+        text, logprobs = completion.text, self._logprobs(completion.token_ids,
+                                                         completion.logprobs, 0)
+        if self.parsed.echo:
+            prompt_text = self._prompt_text(output.prompt_token_ids)
+            text = prompt_text + text
+            if logprobs is not None:
+                logprobs = self._echoed_logprobs(output, logprobs, len(prompt_text))
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason}
+
+    def _echoed_logprobs(self, output: RequestOutput, logprobs: dict, prompt_chars: int) -> dict:
+        """The prompt tokens' entries before the completion's (OpenAI's echo: the first prompt
+        token has no logprob, and no top_logprobs)."""
+        top, tokens, offsets, offset = self.parsed.num_top_logprobs, [], [], 0
+        for token_id in output.prompt_token_ids:
+            offsets.append(offset)
+            tokens.append(self._token_text(token_id))
+            offset += len(tokens[-1])
+        entries = output.prompt_logprobs
+        return {"tokens": tokens + logprobs["tokens"],
+                "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(
+                    output.prompt_token_ids, entries)] + logprobs["token_logprobs"],
+                "top_logprobs": [None if e is None else {self._token_text(i): lp.logprob
+                                                         for i, lp in list(e.items())[:top]}
+                                 for e in entries] + logprobs["top_logprobs"],
+                "text_offset": offsets + [prompt_chars + o for o in logprobs["text_offset"]]}
+
+    def _with_prompt_logprobs(self, choice: dict, output: RequestOutput) -> dict:
+        """vLLM's `prompt_logprobs` on a choice: per prompt token null (the first) or
+        {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k (1-based
+        ranks in the whole distribution)."""
+        count = self.parsed.num_prompt_logprobs
+        if count is None or output.prompt_logprobs is None:
+            return choice
+        listed = []
+        for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
+            if entry is None:
+                listed.append(None)
+                continue
+            shown = dict(list(entry.items())[:count]) | {token: entry[token]}
+            listed.append({str(i): {"logprob": lp.logprob, "rank": lp.rank,
+                                    "decoded_token": self._token_text(i)}
+                           for i, lp in shown.items()})
+        return {**choice, "prompt_logprobs": listed}
+
+    def _prompt_text(self, token_ids) -> str:
+        if self.model.tokenizer is None:
+            return "".join(self._token_text(t) for t in token_ids)
+        return self.model.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant role for every choice."""
+        if not self.parsed.is_chat:
+            return []
+        count = len(self.parsed.prompts) * self.parsed.params.n
+        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}], chunk=True)
+                for i in range(count)]
+
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict]:
+        """One chunk per choice that a DELTA output moves on: its new text (the engine holds back
+        what may still become a stop string), its new tokens' logprobs, its finish_reason.
+
+        A delta with nothing the client sees (a token whose text is held back, and no logprobs
+        asked) makes no chunk. A finished sequence keeps appearing in later outputs, empty."""
+        chunks = []
+        for completion in output.outputs:
+            index = prompt_index * self.parsed.params.n + completion.index
+            is_done = completion.finish_reason is not None
+            has_logprobs = self.parsed.num_top_logprobs is not None and bool(completion.token_ids)
+            has_logprobs |= output.prompt_logprobs is not None  # sent once, in the first delta
+            text = completion.text
+            if self.parsed.tools is not None and self.parsed.tools.schema is not None:
+                self._held[index] = self._held.get(index, "") + text   # sent when it ends
+                text = ""
+            if index in self._finished or not (text or has_logprobs or is_done):
+                continue
+            offset = self._text_offsets.get(index, 0)
+            logprobs = self._logprobs(completion.token_ids, completion.logprobs, offset)
+            if logprobs is not None and "tokens" in logprobs:  # completions count text offsets
+                self._text_offsets[index] = offset + sum(map(len, logprobs["tokens"]))
+            if is_done:
+                self._finished.add(index)
+            if self.parsed.is_chat:
+                delta, finish_reason = self._chat_delta(index, text, completion.finish_reason)
+                choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish_reason}
+            else:
+                choice = {"index": index, "text": completion.text, "logprobs": logprobs,
+                          "finish_reason": completion.finish_reason}
+            chunks.append(self._envelope([self._with_prompt_logprobs(choice, output)],
+                                         chunk=True))
+        return chunks
+
+    def _chat_delta(self, index: int, text: str, finish_reason) -> tuple[dict, str | None]:
+        """A chat chunk's delta and finish_reason. Where the request forces tool calls, the
+        text is held (`chunks`) until the choice ends, then sent as whole calls (or, cut
+        short, as content): a client that joins the deltas gets the full reply's message."""
+        if index not in self._held:
+            return ({"content": text} if text else {}), finish_reason
+        if finish_reason is None:
+            return {}, None
+        message, finish_reason = self._chat_message(self._held.pop(index), finish_reason)
+        if message["content"] is not None:
+            return ({"content": message["content"]} if message["content"] else {}), finish_reason
+        return {"tool_calls": [{"index": i, **call} for i, call in
+                               enumerate(message["tool_calls"])]}, finish_reason
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+        return {**self._envelope([], chunk=True),
+                "usage": usage(num_prompt_tokens, num_completion_tokens)}
+
+    # ---- logprobs ----------------------------------------------------------------------------
+    def _logprobs(self, token_ids, entries, text_offset: int):
+        """text_offset: where the first token's text starts (the token texts before it, summed)."""
+        top = self.parsed.num_top_logprobs
+        if top is None:
+            return None
+        if self.parsed.is_chat:
+            return {"content": [self._chat_logprob(t, e, top) for t, e in zip(token_ids, entries)]}
+        tokens, offsets = [], []
+        for token_id in token_ids:
+            offsets.append(text_offset)
+            tokens.append(self._token_text(token_id))
+            text_offset += len(tokens[-1])
+        return {"tokens": tokens,
+                "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{self._token_text(i): lp for i, lp in list(e.items())[:top]}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprob(self, token_id: int, entry: dict, top: int) -> dict:
+        def item(i, lp):
+            text = self._token_text(i)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {**item(token_id, entry[token_id]),
+                "top_logprobs": [item(i, lp) for i, lp in list(entry.items())[:top]]}
+
+    def _token_text(self, token_id: int) -> str:
+        if self.model.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def sse(data) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
