@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpaged.serve import openai_api as api
-from jpaged.serve import chat, replies, tokenize_api
+from jpaged.serve import chat, replies, tokenize_api, tool_parsers
 from jpaged.serve.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestGroup
 from jpaged.serve.data_parallel import DataParallelEngine
 
@@ -32,7 +32,10 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 logger = logging.getLogger(__name__)
 
 
-def model_info(engine, model_dir, name: str) -> api.ModelInfo:
+def model_info(engine, model_dir, name: str,
+               tool_call_parser: str | None = None) -> api.ModelInfo:
+    """tool_call_parser: a `tool_parsers.PARSERS` name for tool_choice "auto" (None: the model
+    family's, if it has one); an unknown name is a ValueError."""
     chat_template = chat.ChatTemplate.from_model_dir(model_dir)
     return api.ModelInfo(name=name, tokenizer=engine.tokenizer,
                          vocab_size=engine.model_config.vocab_size,
@@ -42,7 +45,10 @@ def model_info(engine, model_dir, name: str) -> api.ModelInfo:
                          tokenizer_info=tokenize_api.tokenizer_info(
                              model_dir, chat_template.source, engine.tokenizer,
                              engine.model_config.eos_token_ids),
-                         constraints=engine.inputs.constraints)
+                         constraints=engine.inputs.constraints,
+                         tool_parser=tool_parsers.tool_call_parser(
+                             tool_call_parser, engine.model_config.model_type,
+                             chat_template.source))
 
 
 

@@ -40,6 +40,7 @@ class ModelInfo:
     max_token_chars: int | None = None   # see `max_token_chars`; None: no early length check
     tokenizer_info: dict = dataclasses.field(default_factory=dict)   # GET /tokenizer_info
     constraints: object = None  # the engine's ConstraintCompiler (structured outputs)
+    tool_parser: object = None  # tool_parsers.ToolCallParser for tool_choice "auto" (None: none)
 
 
 def max_token_chars(tokenizer) -> int | None:
@@ -309,7 +310,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     check_model(body, model.name)
     _reject_unsupported(body, allowed=("tools",))
     messages = chat_messages(body)
-    tools = tools_api.tool_calling(body)
+    tools = tools_api.tool_calling(body, model.tool_parser)
     if model.tokenizer is None:
         raise APIError("this model has no tokenizer, so chat is not available", param="messages")
     try:

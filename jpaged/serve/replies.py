@@ -30,16 +30,18 @@ class ReplyBuilder:
         self._object = "chat.completion" if parsed.is_chat else "text_completion"
         self._text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         self._finished: set[int] = set()
-        self._held: dict[int, str] = {}   # choice index -> text of a stream's tool calls so far
+        # A chat stream with tools: choice index -> its text so far, and how much of it was sent
+        self._texts: dict[int, str] = {}
+        self._num_sent: dict[int, int] = {}
 
     def _chat_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """(the assistant message, the choice's finish_reason): tool calls where the request
-        forces them and the reply completed them, else the text as content."""
-        tools = self.parsed.tools
-        calls = tools.calls(text) if tools is not None and finish_reason == "stop" else None
-        if calls is None:
+        """(the assistant message, the choice's finish_reason): the reply's tool calls, where
+        the request has tools and the reply completed them, and the text outside them."""
+        if self.parsed.tools is None:
             return {"role": "assistant", "content": text}, finish_reason
-        return {"role": "assistant", "content": None, "tool_calls": calls}, tools.finish_reason
+        content, calls, finish_reason = self.parsed.tools.reply(text, finish_reason)
+        message = {"role": "assistant", "content": content}
+        return (message | {"tool_calls": calls} if calls else message), finish_reason
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = self._object + (".chunk" if chunk and self.parsed.is_chat else "")
@@ -142,11 +144,14 @@ class ReplyBuilder:
             is_done = completion.finish_reason is not None
             has_logprobs = self.parsed.num_top_logprobs is not None and bool(completion.token_ids)
             has_logprobs |= output.prompt_logprobs is not None  # sent once, in the first delta
-            text = completion.text
-            if self.parsed.tools is not None and self.parsed.tools.schema is not None:
-                self._held[index] = self._held.get(index, "") + text   # sent when it ends
-                text = ""
-            if index in self._finished or not (text or has_logprobs or is_done):
+            if index in self._finished:
+                continue
+            if self.parsed.is_chat:
+                delta, finish_reason = self._chat_delta(index, completion.text,
+                                                        completion.finish_reason)
+            else:
+                delta, finish_reason = completion.text, completion.finish_reason
+            if not (delta or has_logprobs or is_done):
                 continue
             offset = self._text_offsets.get(index, 0)
             logprobs = self._logprobs(completion.token_ids, completion.logprobs, offset)
@@ -155,31 +160,36 @@ class ReplyBuilder:
             if is_done:
                 self._finished.add(index)
             if self.parsed.is_chat:
-                delta, finish_reason = self._chat_delta(index, text, completion.finish_reason)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": finish_reason}
             else:
-                choice = {"index": index, "text": completion.text, "logprobs": logprobs,
-                          "finish_reason": completion.finish_reason}
+                choice = {"index": index, "text": delta, "logprobs": logprobs,
+                          "finish_reason": finish_reason}
             chunks.append(self._envelope([self._with_prompt_logprobs(choice, output)],
                                          chunk=True))
         return chunks
 
     def _chat_delta(self, index: int, text: str, finish_reason) -> tuple[dict, str | None]:
-        """A chat chunk's delta and finish_reason. Where the request forces tool calls, the
-        text is held (`chunks`) until the choice ends, then sent as whole calls (or, cut
-        short, as content): a client that joins the deltas gets the full reply's message."""
-        if index not in self._held:
+        """A chat chunk's delta and finish_reason. With tools, the text that may still become a
+        call is held (`ToolCalling.streamable`) until the choice ends; then the full reply's
+        message gives the rest of the content and the calls, sent whole: a client that joins
+        the deltas gets the full reply's message."""
+        tools = self.parsed.tools
+        if tools is None or tools.choice == "none":
             return ({"content": text} if text else {}), finish_reason
+        so_far = self._texts[index] = self._texts.get(index, "") + text
+        num_sent = self._num_sent.get(index, 0)
         if finish_reason is None:
-            return {}, None
-        message, finish_reason = self._chat_message(self._held.pop(index), finish_reason)
-        if message["content"] is not None:
-            return ({"content": message["content"]} if message["content"] else {}), finish_reason
-        return {"tool_calls": [{"index": i, **call} for i, call in
-                               enumerate(message["tool_calls"])]}, finish_reason
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+            self._num_sent[index] = max(num_sent, tools.streamable(so_far))
+            new = so_far[num_sent:self._num_sent[index]]
+            return ({"content": new} if new else {}), None
+        message, finish_reason = self._chat_message(so_far, finish_reason)
+        rest = (message["content"] or "")[num_sent:]
+        delta = {"content": rest} if rest else {}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": i, **call}
+                                   for i, call in enumerate(message["tool_calls"])]
+        return delta, finish_reason
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
         return {**self._envelope([], chunk=True),

@@ -2,20 +2,23 @@
 
     tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}]
     tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
-    parallel_tool_calls: true (default) | false: with "required", at most one call
+    parallel_tool_calls: true (default) | false: at most one call
 
+"auto" (the default when tools are given) lets the model answer in text or call functions in
+its own syntax: the reply is generated unconstrained (or under the request's own output
+constraint) and a parser for the model's family (`tool_parsers.py`) finds the calls in its text;
+without one for the served model (`--tool-call-parser`), "auto" is a 400 naming `tool_choice`.
 A named function or "required" becomes a JSON-schema constraint on the reply (the structured
 outputs machinery), so every call the reply makes parses and matches its function's
 `parameters`: named, the output is the arguments object; required, a list of
 `{"name", "parameters"}` objects, one schema branch per tool. The tools reach the chat template
-(its `tools` variable) whatever the choice, as transformers passes them. "auto" would need the
-model's own tool-call syntax found in free text (a per-family parser); this server has none, so
-"auto" (the default when tools are given) is a 400 that says which choices work.
+(its `tools` variable) whatever the choice, as transformers passes them.
 
 The reply carries `message.tool_calls` ([{"id", "type": "function", "function": {"name",
-"arguments"}}], arguments a JSON string) and `content` null; finish_reason "tool_calls" for
-"required" and "stop" for a named function (OpenAI's and vLLM's). A reply cut short
-(finish_reason "length") has no complete call: its text stays in `content`.
+"arguments"}}], arguments a JSON string) and `content`: null when forced, the text outside the
+calls with "auto"; finish_reason "tool_calls" for "auto" (when it called) and "required", and
+"stop" for a named function (OpenAI's and vLLM's). A reply cut short (finish_reason "length")
+has no complete call: its text stays in `content`.
 """
 
 import dataclasses
@@ -24,6 +27,7 @@ import re
 import uuid
 
 from jpaged.serve.errors import APIError
+from jpaged.serve.tool_parsers import PARSERS, ToolCallParser
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")     # OpenAI's rule for function names
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}   # none
@@ -34,39 +38,53 @@ CHOICES = ("none", "auto", "required")
 class ToolCalling:
     """A request's tools (OpenAI's shape, as chat templates take them) and what it forces."""
     tools: list[dict]
-    choice: str                      # "none", "required" or "named"
+    choice: str                      # "none", "auto", "required" or "named"
     name: str | None = None          # the named function
     schema: dict | None = None       # the reply's JSON schema (None: unconstrained)
+    parser: ToolCallParser | None = None   # auto: finds the calls in the text
+    functions: tuple[str, ...] = ()  # auto: the functions a call may name
+    is_parallel: bool = True         # auto: more than one call allowed
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The reply's tool calls in OpenAI's shape, or None when `text` holds none (a reply
-        cut short, or unconstrained)."""
-        if self.schema is None:
-            return None
+    def reply(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict],
+                                                                    str | None]:
+        """(content, tool calls in OpenAI's shape, finish_reason) of a reply's text; only a
+        reply that completed (finish_reason "stop") has calls."""
+        if finish_reason != "stop" or self.choice == "none":
+            return text, [], finish_reason
+        content, pairs = self._found(text)
+        if not pairs:
+            return text, [], finish_reason
+        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                  "function": {"name": name, "arguments": json.dumps(arguments,
+                                                                      ensure_ascii=False)}}
+                 for name, arguments in pairs]
+        return content, calls, "stop" if self.choice == "named" else "tool_calls"
+
+    def streamable(self, text: str) -> int:
+        """How many characters of a reply's text so far a stream may send as content: all
+        with "none", those before a call with "auto", none of a forced call's JSON."""
+        if self.choice == "none":
+            return len(text)
+        return self.parser.streamable(text) if self.choice == "auto" else 0
+
+    def _found(self, text: str) -> tuple[str | None, list[tuple[str, object]]]:
+        """(content, [(name, arguments)]) of a completed reply."""
+        if self.choice == "auto":
+            content, pairs = self.parser.parse(text, self.functions)
+            return content, pairs if self.is_parallel else pairs[:1]   # as vLLM does
         try:
             value = json.loads(text)
         except ValueError:
-            return None
+            return text, []
         if self.choice == "named":
-            pairs = [(self.name, value)] if isinstance(value, dict) else []
-        else:
-            pairs = [(item.get("name"), item.get("parameters")) for item in value
-                     if isinstance(item, dict)] if isinstance(value, list) else []
-        if not pairs:
-            return None
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments,
-                                                                     ensure_ascii=False)}}
-                for name, arguments in pairs]
-
-    @property
-    def finish_reason(self) -> str:
-        return "tool_calls" if self.choice == "required" else "stop"
+            return None, [(self.name, value)] if isinstance(value, dict) else []
+        return None, [(item.get("name"), item.get("parameters")) for item in value
+                      if isinstance(item, dict)] if isinstance(value, list) else []
 
 
-def tool_calling(body: dict) -> ToolCalling | None:
+def tool_calling(body: dict, parser: ToolCallParser | None = None) -> ToolCalling | None:
     """The request's `tools` and `tool_choice`, checked (APIError naming the field); None when
-    it gives no tools."""
+    it gives no tools. parser: the served model's, for "auto" (None: "auto" is refused)."""
     tools, functions = checked_tools(body)
     choice = body.get("tool_choice")
     if tools is None:
@@ -80,10 +98,15 @@ def tool_calling(body: dict) -> ToolCalling | None:
     if choice == "none":
         return ToolCalling(tools, "none")
     if choice == "auto":
-        raise APIError("tool_choice 'auto' is not supported: this server does not parse "
-                       "tool calls out of free text; give tool_choice 'required', a named "
-                       "function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or "
-                       "'none'", param="tool_choice", code="unsupported_parameter")
+        if parser is None:
+            raise APIError("tool_choice 'auto' (the default with tools) needs a tool-call parser, "
+                           "and this model's family has none: start the server with "
+                           f"--tool-call-parser ({', '.join(PARSERS)}), or give tool_choice "
+                           "'required', a named function ({\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}) or 'none'", param="tool_choice",
+                           code="unsupported_parameter")
+        return ToolCalling(tools, "auto", parser=parser, functions=tuple(functions),
+                           is_parallel=parallel)
     if choice == "required":
         branches = [{"type": "object", "additionalProperties": False,
                      "required": ["name", "parameters"],

@@ -1,0 +1,168 @@
+"""Tool calls a model writes in its own syntax, found in the reply's free text (tool_choice
+"auto"): one parser per model family, chosen by name (`--tool-call-parser`) or from the model.
+
+    hermes       Qwen2, Qwen2.5, Qwen3, Hermes: <tool_call>\\n{"name": ..., "arguments": {...}}
+                 \\n</tool_call>, any number of them, anywhere in the reply
+    llama3_json  Llama 3.1+: {"name": ..., "parameters": {...}} ("arguments" too) as the whole
+                 reply, or after <|python_tag|>; several separated by ";"
+    mistral      [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}}
+
+A call becomes one of `message.tool_calls` only if its JSON parses, it names a function of the
+request's `tools` and its arguments are an object; anything else stays in the content as the
+model wrote it. The content is the text outside the calls (None when only whitespace is left).
+A stream sends the text before the first call marker as it comes (`streamable`) and the rest
+when the reply ends, so the streamed content is always a prefix of the full reply's.
+"""
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Collection
+
+PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS = "[TOOL_CALLS]"
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # unclosed at the end
+_DECODER = json.JSONDecoder()
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Where a possible call is written, text[start:end], and the JSON objects it holds (None:
+    its JSON did not parse)."""
+    start: int
+    end: int
+    objects: list | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallParser:
+    name: str
+    markers: tuple[str, ...]          # text that opens a call: a stream holds back from there
+    find: Callable[[str], list[Span]]  # the possible calls, in order, not overlapping
+    opens_with_json: bool = False     # a reply whose text starts with "{" is a call too
+
+    def parse(self, text: str,
+              functions: Collection[str]) -> tuple[str | None, list[tuple[str, dict]]]:
+        """(content, [(function name, arguments)]): the calls written in `text` to `functions`,
+        and the text outside them; no calls: (text, [])."""
+        calls, outside, at = [], [], 0
+        for span in self.find(text):
+            found = [_call(value, functions) for value in span.objects or ()]
+            if not found or None in found:
+                continue                 # not a call: it stays in the content
+            outside.append(text[at:span.start])
+            calls.extend(found)
+            at = span.end
+        if not calls:
+            return text, []
+        outside.append(text[at:])
+        content = "".join(piece for piece in outside if piece.strip()).rstrip()
+        return content or None, calls
+
+    def streamable(self, text: str) -> int:
+        """How many characters of a reply's text so far can be sent as content: those before a
+        call marker, or a marker's possible start at the end, less trailing whitespace (it may
+        come before a call, and a reply's content does not end in it)."""
+        return len(text[:self._marker_start(text)].rstrip())
+
+    def _marker_start(self, text: str) -> int:
+        if self.opens_with_json and text.lstrip().startswith("{"):
+            return 0
+        found = [text.find(marker) for marker in self.markers if marker in text]
+        if found:
+            return min(found)
+        longest = max(map(len, self.markers))
+        for start in range(max(0, len(text) - longest + 1), len(text)):
+            if any(marker.startswith(text[start:]) for marker in self.markers):
+                return start
+        return len(text)
+
+
+def _call(value, functions: Collection[str]) -> tuple[str, dict] | None:
+    """(name, arguments) of one call's JSON object, or None where it is not a call to one of
+    `functions` with an object of arguments (none given: {})."""
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(name, str) or name not in functions or not isinstance(arguments, dict):
+        return None
+    return name, arguments
+
+
+def _hermes(text: str) -> list[Span]:
+    spans = []
+    for match in _HERMES_CALL.finditer(text):
+        try:
+            value = json.loads(match.group(1))
+        except ValueError:
+            value = None
+        spans.append(Span(match.start(), match.end(), None if value is None else [value]))
+    return spans
+
+
+def _llama3_json(text: str) -> list[Span]:
+    """JSON objects from <|python_tag|> or the reply's first "{" on, each span taking the ";"
+    and whitespace after it; spans end where the text stops being JSON."""
+    start = text.find(PYTHON_TAG)
+    at = start + len(PYTHON_TAG) if start >= 0 else _skip_space(text, 0)
+    if start < 0:
+        if not text.startswith("{", at):
+            return []
+        start = at
+    spans = []
+    while True:
+        try:
+            value, end = _DECODER.raw_decode(text, _skip_space(text, at))
+        except ValueError:
+            return spans
+        end = _skip_space(text, end)
+        has_more = text.startswith(";", end)
+        if has_more:
+            end = _skip_space(text, end + 1)
+        spans.append(Span(start, end, [value]))
+        if not has_more:
+            return spans
+        start = at = end
+
+
+def _mistral(text: str) -> list[Span]:
+    spans, at = [], 0
+    while (start := text.find(TOOL_CALLS, at)) >= 0:
+        at = start + len(TOOL_CALLS)
+        try:
+            value, at = _DECODER.raw_decode(text, _skip_space(text, at))
+        except ValueError:
+            spans.append(Span(start, at, None))
+            continue
+        spans.append(Span(start, at, value if isinstance(value, list) else [value]))
+    return spans
+
+
+def _skip_space(text: str, at: int) -> int:
+    return len(text) - len(text[at:].lstrip())
+
+
+PARSERS = {parser.name: parser for parser in (
+    ToolCallParser("hermes", ("<tool_call>",), _hermes),
+    ToolCallParser("llama3_json", (PYTHON_TAG,), _llama3_json, opens_with_json=True),
+    ToolCallParser("mistral", (TOOL_CALLS,), _mistral),
+)}
+_BY_MODEL_TYPE = {"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+                  "mistral": "mistral", "mixtral": "mistral"}
+_LLAMA3_HEADER = "<|start_header_id|>"   # in Llama 3's chat templates, not Llama 2's
+
+
+def tool_call_parser(name: str | None, model_type: str,
+                     chat_template: str | None) -> ToolCallParser | None:
+    """The parser called `name`, or (None) the one for the model's family: Qwen -> hermes,
+    Mistral and Mixtral -> mistral, Llama with a Llama 3 chat template -> llama3_json; None where
+    the family has none. An unknown name is a ValueError listing the known ones."""
+    if name is None:
+        name = _BY_MODEL_TYPE.get(model_type)
+        if model_type == "llama" and _LLAMA3_HEADER in (chat_template or ""):
+            name = "llama3_json"
+        return PARSERS.get(name)
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(PARSERS)}")
+    return PARSERS[name]

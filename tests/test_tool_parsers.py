@@ -1,0 +1,165 @@
+"""tool_choice "auto": each family's parser on written replies (calls found, anything else kept
+as content), the parser a model gets, and a reply streamed in every split into chunks, which
+must join to the full reply (no call marker leaks, not even half of one)."""
+
+import json
+
+import pytest
+
+from jpaged.request import CompletionOutput, RequestOutput
+from jpaged.sampling import SamplingParams
+from jpaged.serve import tools_api
+from jpaged.serve.errors import APIError
+from jpaged.serve.openai_api import ModelInfo, ParsedRequest
+from jpaged.serve.replies import ReplyBuilder
+from jpaged.serve.tool_parsers import PARSERS, tool_call_parser
+
+FUNCTIONS = ("add", "now")
+ADD_7, NOW = ("add", {"a": 7}), ("now", {})
+
+
+def hermes_call(name: str, arguments: dict | None = None) -> str:
+    body = {"name": name} if arguments is None else {"name": name, "arguments": arguments}
+    return f"<tool_call>\n{json.dumps(body)}\n</tool_call>"
+
+
+HERMES = [   # (reply text, content, calls)
+    (hermes_call("add", {"a": 7}), None, [ADD_7]),
+    (f"Let me add.\n{hermes_call('add', {'a': 7})}\n{hermes_call('now', {})}\n",
+     "Let me add.", [ADD_7, NOW]),
+    (f"{hermes_call('now')} Done.", " Done.", [NOW]),                 # no arguments: {}
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 7}}', None, [ADD_7]),   # unclosed, at the end
+    ("No call here.", "No call here.", []),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 7}\n</tool_call>',        # malformed JSON
+     '<tool_call>\n{"name": "add", "arguments": {"a": 7}\n</tool_call>', []),
+    (hermes_call("sub", {"a": 1}), hermes_call("sub", {"a": 1}), []),           # unknown function
+    (hermes_call("add", {"a": 1}).replace('{"a": 1}', '"a=1"'),                 # arguments not {}
+     hermes_call("add", {"a": 1}).replace('{"a": 1}', '"a=1"'), []),
+    (f"{hermes_call('sub')}\n{hermes_call('add', {'a': 7})}", hermes_call("sub"), [ADD_7]),
+]
+LLAMA3_JSON = [
+    ('{"name": "add", "parameters": {"a": 7}}', None, [ADD_7]),
+    ('<|python_tag|>{"name": "add", "arguments": {"a": 7}}', None, [ADD_7]),
+    ('  {"name": "add", "parameters": {"a": 7}}; {"name": "now", "parameters": {}}', None,
+     [ADD_7, NOW]),
+    ('Calling. <|python_tag|>{"name": "now", "parameters": {}}', "Calling.", [NOW]),
+    ('{"name": "add", "parameters": {"a": 7}}; {"name": "sub", "parameters": {}}',
+     '{"name": "sub", "parameters": {}}', [ADD_7]),
+    ('{"name": "add", "parameters": {"a": 7}', '{"name": "add", "parameters": {"a": 7}', []),
+    ('{"answer": 42}', '{"answer": 42}', []),                 # JSON, not a call
+    ('The answer: {"name": "now"}', 'The answer: {"name": "now"}', []),   # not at the start
+]
+MISTRAL = [
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7}}, {"name": "now", "arguments": {}}]',
+     None, [ADD_7, NOW]),
+    ('Sure. [TOOL_CALLS]{"name": "now", "arguments": {}}', "Sure.", [NOW]),
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7}}', '[TOOL_CALLS] [{"name": "add", '
+     '"arguments": {"a": 7}}', []),
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7}}, {"name": "sub", "arguments": {}}]',
+     '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7}}, {"name": "sub", "arguments": {}}]',
+     []),                                                      # one unknown: the list stays
+    ("[TOOL_CALLS] []", "[TOOL_CALLS] []", []),
+]
+CASES = ([("hermes", *case) for case in HERMES] + [("llama3_json", *case) for case in LLAMA3_JSON]
+         + [("mistral", *case) for case in MISTRAL])
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_parsers_find_calls_and_keep_the_rest_as_content(parser, text, content, calls):
+    assert PARSERS[parser].parse(text, FUNCTIONS) == ((content, calls) if calls else (text, []))
+
+
+@pytest.mark.parametrize("name,model_type,template,expected", [
+    (None, "qwen2", None, "hermes"), (None, "qwen3", None, "hermes"),
+    (None, "mistral", None, "mistral"), (None, "mixtral", None, "mistral"),
+    (None, "llama", "{{ '<|start_header_id|>' + m.role }}", "llama3_json"),
+    (None, "llama", None, None),          # the built-in model: Llama, the default template
+    (None, "gemma2", None, None),
+    ("hermes", "llama", None, "hermes"), ("mistral", "gemma2", None, "mistral")])
+def test_the_parser_comes_from_its_name_or_the_model_family(name, model_type, template,
+                                                             expected):
+    parser = tool_call_parser(name, model_type, template)
+    assert (parser and parser.name) == expected
+
+
+def test_an_unknown_parser_name_is_an_error_listing_the_known_ones():
+    with pytest.raises(ValueError, match="'xml'.*hermes, llama3_json, mistral"):
+        tool_call_parser("xml", "qwen2", None)
+
+
+def test_auto_needs_a_parser_and_is_the_default_with_tools():
+    body = {"tools": [{"type": "function", "function": {"name": name}} for name in FUNCTIONS]}
+    for choice in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(APIError, match="--tool-call-parser") as error:
+            tools_api.tool_calling({**body, **choice})
+        assert error.value.param == "tool_choice"
+        tools = tools_api.tool_calling({**body, **choice}, PARSERS["hermes"])
+        assert (tools.choice, tools.schema, tools.functions) == ("auto", None, FUNCTIONS)
+    one = tools_api.tool_calling({**body, "parallel_tool_calls": False}, PARSERS["hermes"])
+    content, calls, finish_reason = one.reply(hermes_call("now") + hermes_call("add"), "stop")
+    assert [call["function"]["name"] for call in calls] == ["now"]   # the first only
+
+
+# ---- streams ------------------------------------------------------------------------------------
+def _builder(parser: str, stream: bool) -> ReplyBuilder:
+    tools = tools_api.ToolCalling([], "auto", parser=PARSERS[parser], functions=FUNCTIONS)
+    parsed = ParsedRequest(True, [[1]], SamplingParams(), stream, False, None, tools=tools)
+    return ReplyBuilder(parsed, ModelInfo("tiny", None, 257, 256, None))
+
+
+def _output(text: str, finish_reason: str | None) -> RequestOutput:
+    return RequestOutput("r", None, [1], [CompletionOutput(0, text, [], None, None,
+                                                           finish_reason)], finish_reason is not None)
+
+
+def _streamed(parser: str, pieces: list[str], finish_reason: str) -> tuple[str | None, list, str]:
+    """(joined content, calls, last finish_reason) of a stream whose deltas bring `pieces`."""
+    builder, deltas = _builder(parser, stream=True), []
+    for number, piece in enumerate(pieces, 1):
+        output = _output(piece, finish_reason if number == len(pieces) else None)
+        deltas += [chunk["choices"][0] for chunk in builder.chunks(0, output)]
+    assert all(d["finish_reason"] is None for d in deltas[:-1])
+    assert all("tool_calls" not in d["delta"] for d in deltas[:-1])   # calls come whole, last
+    contents = [d["delta"]["content"] for d in deltas if "content" in d["delta"]]
+    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert [call["index"] for call in calls] == list(range(len(calls)))
+    return ("".join(contents) if contents else None), calls, deltas[-1]["finish_reason"]
+
+
+def _splits(text: str):
+    """The text in two pieces at every position, and one character at a time."""
+    yield from ([text[:cut], text[cut:]] for cut in range(len(text) + 1))
+    yield list(text)
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_a_stream_split_anywhere_joins_to_the_full_reply(parser, text, content, calls):
+    full = _builder(parser, stream=False).full([_output(text, "stop")])["choices"][0]
+    assert (full["message"]["content"], full["finish_reason"]) == (
+        content if calls else text, "tool_calls" if calls else "stop")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in full["message"].get("tool_calls", [])] == calls
+    for pieces in _splits(text):
+        joined, streamed_calls, finish_reason = _streamed(parser, pieces, "stop")
+        assert joined == full["message"]["content"], pieces
+        assert [c["function"] for c in streamed_calls] == [
+            c["function"] for c in full["message"].get("tool_calls", [])]
+        assert finish_reason == full["finish_reason"]
+
+
+def test_text_before_a_call_streams_as_it_comes_and_a_half_marker_waits():
+    builder = _builder("hermes", stream=True)
+    sent = [builder.chunks(0, _output(piece, None)) for piece in ("Sure", ". <tool", "_ca")]
+    assert [[c["choices"][0]["delta"] for c in chunks] for chunks in sent] == [
+        [{"content": "Sure"}], [{"content": "."}], []]
+    last = builder.chunks(0, _output('ll>{"name": "now"}</tool_call>', "stop"))[0]["choices"][0]
+    assert last["finish_reason"] == "tool_calls" and "content" not in last["delta"]
+    assert last["delta"]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+
+
+def test_a_reply_cut_short_keeps_its_text_as_content():
+    text = hermes_call("add", {"a": 7})
+    full = _builder("hermes", stream=False).full([_output(text, "length")])["choices"][0]
+    assert full["message"] == {"role": "assistant", "content": text}
+    assert full["finish_reason"] == "length"
+    assert _streamed("hermes", [text[:5], text[5:]], "length") == (text, [], "length")
