@@ -59,6 +59,9 @@ MISTRAL = [
      '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7}}, {"name": "sub", "arguments": {}}]',
      []),                                                      # one unknown: the list stays
     ("[TOOL_CALLS] []", "[TOOL_CALLS] []", []),
+    (' [{"name": "now", "arguments": {}}]', None, [NOW]),     # [TOOL_CALLS] left out (special)
+    ("[1, 2] and [TOOL_CALLS]", "[1, 2] and [TOOL_CALLS]", []),
+    ('See [the docs](x). [TOOL_CALLS][{"name": "now"}]', "See [the docs](x).", [NOW]),
 ]
 CASES = ([("hermes", *case) for case in HERMES] + [("llama3_json", *case) for case in LLAMA3_JSON]
          + [("mistral", *case) for case in MISTRAL])

@@ -5,7 +5,12 @@
                  \\n</tool_call>, any number of them, anywhere in the reply
     llama3_json  Llama 3.1+: {"name": ..., "parameters": {...}} ("arguments" too) as the whole
                  reply, or after <|python_tag|>; several separated by ";"
-    mistral      [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}}
+    mistral      [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}}; or that
+                 list as the whole reply
+
+The engine leaves special tokens out of the text, and <|python_tag|> and [TOOL_CALLS] are
+special in Llama 3.1's and Mistral's tokenizers: so a reply that opens with the calls' JSON is
+read as calls too (vLLM's llama3_json parser reads a reply opening with "{" the same way).
 
 A call becomes one of `message.tool_calls` only if its JSON parses, it names a function of the
 request's `tools` and its arguments are an object; anything else stays in the content as the
@@ -36,10 +41,11 @@ class Span:
 
 @dataclasses.dataclass(frozen=True)
 class ToolCallParser:
+    """One family's syntax: where its calls may be written, and how a stream holds them back."""
     name: str
     markers: tuple[str, ...]          # text that opens a call: a stream holds back from there
     find: Callable[[str], list[Span]]  # the possible calls, in order, not overlapping
-    opens_with_json: bool = False     # a reply whose text starts with "{" is a call too
+    opens_with: str = ""              # a reply that starts with this ("{", "[") is a call too
 
     def parse(self, text: str,
               functions: Collection[str]) -> tuple[str | None, list[tuple[str, dict]]]:
@@ -66,7 +72,7 @@ class ToolCallParser:
         return len(text[:self._marker_start(text)].rstrip())
 
     def _marker_start(self, text: str) -> int:
-        if self.opens_with_json and text.lstrip().startswith("{"):
+        if self.opens_with and text.lstrip().startswith(self.opens_with):
             return 0
         found = [text.find(marker) for marker in self.markers if marker in text]
         if found:
@@ -127,16 +133,24 @@ def _llama3_json(text: str) -> list[Span]:
 
 
 def _mistral(text: str) -> list[Span]:
-    spans, at = [], 0
+    """A list right at the start, then a list (or one object) after each [TOOL_CALLS]."""
+    at = _skip_space(text, 0)
+    opens_with_list = text.startswith("[", at) and not text.startswith(TOOL_CALLS, at)
+    spans = [_json_span(text, at, at)] if opens_with_list else []
+    at = spans[-1].end if spans else 0
     while (start := text.find(TOOL_CALLS, at)) >= 0:
-        at = start + len(TOOL_CALLS)
-        try:
-            value, at = _DECODER.raw_decode(text, _skip_space(text, at))
-        except ValueError:
-            spans.append(Span(start, at, None))
-            continue
-        spans.append(Span(start, at, value if isinstance(value, list) else [value]))
+        spans.append(_json_span(text, start, start + len(TOOL_CALLS)))
+        at = spans[-1].end
     return spans
+
+
+def _json_span(text: str, start: int, at: int) -> Span:
+    """The JSON value from `at` on: a list's items, or a value as a list of one."""
+    try:
+        value, end = _DECODER.raw_decode(text, _skip_space(text, at))
+    except ValueError:
+        return Span(start, at, None)
+    return Span(start, end, value if isinstance(value, list) else [value])
 
 
 def _skip_space(text: str, at: int) -> int:
@@ -145,8 +159,8 @@ def _skip_space(text: str, at: int) -> int:
 
 PARSERS = {parser.name: parser for parser in (
     ToolCallParser("hermes", ("<tool_call>",), _hermes),
-    ToolCallParser("llama3_json", (PYTHON_TAG,), _llama3_json, opens_with_json=True),
-    ToolCallParser("mistral", (TOOL_CALLS,), _mistral),
+    ToolCallParser("llama3_json", (PYTHON_TAG,), _llama3_json, opens_with="{"),
+    ToolCallParser("mistral", (TOOL_CALLS,), _mistral, opens_with="["),
 )}
 _BY_MODEL_TYPE = {"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
                   "mistral": "mistral", "mixtral": "mistral"}
