@@ -62,10 +62,12 @@ def _wait_idle(get_metrics) -> dict:
 # ---- the real server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`python -m jpaged.serve` (the built-in model) on a free 127.0.0.1 port: (URL, log path)."""
+    """`python -m jpaged.serve` (the built-in model, Hermes tool calls for tool_choice "auto")
+    on a free 127.0.0.1 port: (URL, log path)."""
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE_FLAGS.items()]
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server([*flags, "--uvicorn-log-level=warning"], log_path) as url:
+    with running_server([*flags, "--tool-call-parser=hermes", "--uvicorn-log-level=warning"],
+                        log_path) as url:
         # Compile the server's step shapes (with and without logprobs) while this process
         # builds its own engine, so the two compile on the machine's cores in parallel.
         warm = threading.Thread(target=_warm_up, args=(url,), daemon=True)
@@ -116,7 +118,8 @@ def test_banner_is_printed_and_models_lists_the_default(server):
     banner = log_path.read_text()
     assert url in banner and f"curl {url}/v1/completions" in banner
     configuration = banner[:banner.index("try:")]   # printed before it, once the port is bound
-    for item in ("jpaged-default", "dtype", "KV blocks", "max_model_len 256", "attention backend"):
+    for item in ("jpaged-default", "dtype", "KV blocks", "max_model_len 256", "attention backend",
+                 "tool-call parser hermes"):
         assert item in configuration, item
     assert httpx.head(f"{url}/health").status_code == 200
     models = httpx.get(f"{url}/v1/models").json()
@@ -281,6 +284,44 @@ def test_a_tool_call_stream_joins_to_the_full_reply(app_client):
     assert cut["choices"][0]["finish_reason"] == "length"
 
 
+# The tiny model writes no tool calls of its own: a regex makes it write two Hermes-style ones.
+BRIEF_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+               {"type": "function", "function": {"name": "now"}}]
+HERMES_CALLS = (r'Sure\.\n<tool_call>\n\{"name": "add", "arguments": \{"a": [1-9]\}\}\n'
+                r'</tool_call>\n<tool_call>\n\{"name": "now", "arguments": \{\}\}\n</tool_call>')
+
+
+def test_openai_client_auto_finds_the_calls_in_the_text_and_streams_them(openai_client):
+    common = dict(model=serve.DEFAULT_MODEL_NAME, tools=BRIEF_TOOLS, max_tokens=150,
+                  temperature=0, messages=[{"role": "user", "content": "Add?"}])
+    regex = {"structured_outputs": {"regex": HERMES_CALLS}}
+    reply = openai_client.chat.completions.create(**common, extra_body=regex)   # auto: default
+    choice = reply.choices[0]
+    assert (choice.message.content, choice.finish_reason) == ("Sure.", "tool_calls")
+    add, now = choice.message.tool_calls
+    assert add.id.startswith("call_") and (add.type, now.type) == ("function", "function")
+    assert (add.function.name, now.function.name) == ("add", "now")
+    assert 1 <= json.loads(add.function.arguments)["a"] <= 9
+    assert json.loads(now.function.arguments) == {}
+    content, calls, finish_reasons = "", [], []
+    for chunk in openai_client.chat.completions.create(**common, tool_choice="auto",
+                                                       stream=True, extra_body=regex):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish_reasons.append(chunk.choices[0].finish_reason)
+    assert content == "Sure." and finish_reasons[-1] == "tool_calls"
+    assert set(finish_reasons[:-1]) == {None}
+    assert [call.index for call in calls] == [0, 1]
+    assert [(call.function.name, call.function.arguments) for call in calls] == [
+        (add.function.name, add.function.arguments), (now.function.name, now.function.arguments)]
+    unknown = r'<tool_call>\n\{"name": "sub", "arguments": \{\}\}\n</tool_call>'
+    kept = openai_client.chat.completions.create(
+        **common, extra_body={"structured_outputs": {"regex": unknown}}).choices[0]
+    assert kept.message.tool_calls is None and kept.finish_reason == "stop"
+    assert kept.message.content == '<tool_call>\n{"name": "sub", "arguments": {}}\n</tool_call>'
+
+
 def test_chat_templates_get_the_tools_and_calls_as_transformers_gives_them():
     template = chat.ChatTemplate(
         "{% if tools %}{{ tools | map(attribute='function.name') | join(',') }};{% endif %}"
@@ -418,7 +459,8 @@ BAD_INPUTS = [
     ("completions", {"prompt": "a", "guided_grammar": "root ::= ("}, 400, "guided_grammar"),
     ("completions", {"prompt": "a", "guided_regex": "a", "guided_choice": ["a"]}, 400,
      "guided_choice"),
-    ("chat/completions", {**ASK, "tools": TOOLS}, 400, "tool_choice"),
+    ("chat/completions", {**ASK, "tools": TOOLS}, 400, "tool_choice"),   # auto: no parser here
+    ("chat/completions", {**ASK, "tools": TOOLS, "tool_choice": "auto"}, 400, "tool_choice"),
     ("chat/completions", {**ASK, "tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "sub"}}}, 400, "tool_choice"),
     ("chat/completions", {**ASK, "tool_choice": "required"}, 400, "tool_choice"),
@@ -761,7 +803,7 @@ def test_help_documents_every_flag(capsys):
                  "--gpu-memory-utilization", "--max-num-seqs", "--max-model-len",
                  "--preemption-mode", "--swap-space", "--enable-prefix-caching",
                  "--no-enable-prefix-caching", "--load-format", "--dtype", "--seed",
-                 "--attention-backend", "--dead-engine-exit-delay"):
+                 "--attention-backend", "--dead-engine-exit-delay", "--tool-call-parser"):
         assert flag in text, flag
     assert "127.0.0.1" in text
 
@@ -773,7 +815,8 @@ def test_help_documents_every_flag(capsys):
                                        (["--dead-engine-exit-delay", "-1"],
                                         "--dead-engine-exit-delay"),
                                        (["--dead-engine-exit-delay", "nan"],
-                                        "--dead-engine-exit-delay")])
+                                        "--dead-engine-exit-delay"),
+                                       (["--tool-call-parser", "xml"], "--tool-call-parser")])
 def test_bad_flag_values_fail_at_startup_naming_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as exit_info:
         serve.parse_args(argv)

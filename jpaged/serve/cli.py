@@ -19,6 +19,7 @@ from jpaged.options import BY_NAME, OPTIONS, Option, OptionError, check_options
 from jpaged.serve.app import DEFAULT_MAX_REQUEST_BYTES, build_app, model_info
 from jpaged.serve.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine
 from jpaged.serve.data_parallel import DataParallelEngine
+from jpaged.serve.tool_parsers import PARSERS
 
 DEFAULT_MODEL_NAME = "jpaged-default"
 DEFAULT_DEAD_ENGINE_EXIT_DELAY = 2.0   # seconds
@@ -39,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
              "trained on the Python standard library (docs/default_model.md)")
     add("--served-model-name", default=None,
         help=f"name clients send as 'model' (default: the --model path, or {DEFAULT_MODEL_NAME})")
+    add("--tool-call-parser", default=None, choices=list(PARSERS),
+        help="how tool_choice 'auto' finds a chat reply's tool calls in its text: hermes "
+             "(Qwen2, Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1+), mistral. Omitted: the "
+             "model family's (Qwen -> hermes, Llama with a Llama 3 chat template -> "
+             "llama3_json, Mistral and Mixtral -> mistral); a family with none answers 'auto' "
+             "with a 400")
     add("--host", default="127.0.0.1", help="address to bind")
     add("--port", type=int, default=8000, help="port to bind")
     add("--uvicorn-log-level", default="info",
@@ -153,15 +160,16 @@ def banner(host: str, port: int, model_name: str) -> str:
             f"  also: {url}/v1/chat/completions, {url}/v1/models, {url}/health, {url}/metrics")
 
 
-def configuration(args: argparse.Namespace, name: str, engine) -> str:
+def configuration(args: argparse.Namespace, name: str, engine, tool_parser=None) -> str:
     """One line with what is being served and how, printed at start."""
     config = engine.config
+    parser = tool_parser.name if tool_parser is not None else "none"
     return (f"jpaged: model {name} ({args.model or 'built-in default'}), dtype {args.dtype}, "
             f"kv dtype {config.kv_dtype}, {config.num_kv_blocks} KV blocks of "
             f"{config.block_size} tokens, max_model_len {config.max_model_len}, attention "
             f"backend {engine.executor.attention_backend}, data parallel "
             f"{args.data_parallel_size}, API key {'required' if args.api_key else 'off'}, "
-            f"max request {args.max_request_bytes} bytes")
+            f"max request {args.max_request_bytes} bytes, tool-call parser {parser}")
 
 
 def main(argv=None) -> int:
@@ -183,9 +191,10 @@ def main(argv=None) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     model_dir = default_model_dir() if args.model is None else Path(args.model)
     async_engine = build_engine(args, name)
-    print(configuration(args, name, async_engine.engine), flush=True)
-    app = build_app(async_engine, model_info(async_engine.engine, model_dir, name),
-                    api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    model = model_info(async_engine.engine, model_dir, name, args.tool_call_parser)
+    print(configuration(args, name, async_engine.engine, model.tool_parser), flush=True)
+    app = build_app(async_engine, model, api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes)
     exit_on_dead_engine = ExitOnDeadEngine(async_engine, args.dead_engine_exit_delay)
     Server(uvicorn.Config(app, host=args.host, port=args.port,
                           log_level=args.uvicorn_log_level)).run()
