@@ -30,9 +30,9 @@ class ReplyBuilder:
         self._object = "chat.completion" if parsed.is_chat else "text_completion"
         self._text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         self._finished: set[int] = set()
-        # A chat stream with tools: choice index -> its text so far, and how much of it was sent
-        self._texts: dict[int, str] = {}
-        self._num_sent: dict[int, int] = {}
+        # A chat stream with tools: choice index -> the content sent, and the text held back
+        self._sent: dict[int, list[str]] = {}
+        self._held: dict[int, str] = {}
 
     def _chat_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the assistant message, the choice's finish_reason): the reply's tool calls, where
@@ -177,14 +177,16 @@ class ReplyBuilder:
         tools = self.parsed.tools
         if tools is None or tools.choice == "none":
             return ({"content": text} if text else {}), finish_reason
-        so_far = self._texts[index] = self._texts.get(index, "") + text
-        num_sent = self._num_sent.get(index, 0)
+        held, sent = self._held.pop(index, "") + text, self._sent.setdefault(index, [])
         if finish_reason is None:
-            self._num_sent[index] = max(num_sent, tools.streamable(so_far))
-            new = so_far[num_sent:self._num_sent[index]]
-            return ({"content": new} if new else {}), None
-        message, finish_reason = self._chat_message(so_far, finish_reason)
-        rest = (message["content"] or "")[num_sent:]
+            count = tools.streamable(held, opens_reply=not sent)
+            self._held[index] = held[count:]
+            if not count:
+                return {}, None
+            sent.append(held[:count])
+            return {"content": held[:count]}, None
+        message, finish_reason = self._chat_message("".join(sent) + held, finish_reason)
+        rest = (message["content"] or "")[sum(map(len, sent)):]
         delta = {"content": rest} if rest else {}
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": i, **call}

@@ -28,6 +28,7 @@ PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # unclosed at the end
 _DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +66,17 @@ class ToolCallParser:
         content = "".join(piece for piece in outside if piece.strip()).rstrip()
         return content or None, calls
 
-    def streamable(self, text: str) -> int:
-        """How many characters of a reply's text so far can be sent as content: those before a
-        call marker, or a marker's possible start at the end, less trailing whitespace (it may
-        come before a call, and a reply's content does not end in it)."""
-        return len(text[:self._marker_start(text)].rstrip())
+    def streamable(self, text: str, opens_reply: bool = True) -> int:
+        """How many characters of a reply's text not sent yet can be sent as content: those
+        before a call marker, or a marker's possible start at the end, less trailing whitespace
+        (it may come before a call, and a reply's content does not end in it). opens_reply:
+        nothing was sent before `text` (a stream never sends part of a marker, so one cannot
+        start before `text`)."""
+        return len(text[:self._marker_start(text, opens_reply)].rstrip())
 
-    def _marker_start(self, text: str) -> int:
-        if self.opens_with and text.lstrip().startswith(self.opens_with):
+    def _marker_start(self, text: str, opens_reply: bool) -> int:
+        if opens_reply and self.opens_with and text.startswith(self.opens_with,
+                                                               _skip_space(text, 0)):
             return 0
         found = [text.find(marker) for marker in self.markers if marker in text]
         if found:
@@ -154,7 +158,7 @@ def _json_span(text: str, start: int, at: int) -> Span:
 
 
 def _skip_space(text: str, at: int) -> int:
-    return len(text) - len(text[at:].lstrip())
+    return _SPACE.match(text, at).end()
 
 
 PARSERS = {parser.name: parser for parser in (

@@ -60,12 +60,13 @@ class ToolCalling:
                  for name, arguments in pairs]
         return content, calls, "stop" if self.choice == "named" else "tool_calls"
 
-    def streamable(self, text: str) -> int:
-        """How many characters of a reply's text so far a stream may send as content: all
-        with "none", those before a call with "auto", none of a forced call's JSON."""
+    def streamable(self, text: str, opens_reply: bool) -> int:
+        """How many characters of a reply's text not sent yet a stream may send as content:
+        all with "none", those before a call with "auto", none of a forced call's JSON.
+        opens_reply: nothing of the reply was sent before `text`."""
         if self.choice == "none":
             return len(text)
-        return self.parser.streamable(text) if self.choice == "auto" else 0
+        return self.parser.streamable(text, opens_reply) if self.choice == "auto" else 0
 
     def _found(self, text: str) -> tuple[str | None, list[tuple[str, object]]]:
         """(content, [(name, arguments)]) of a completed reply."""
