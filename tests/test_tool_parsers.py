@@ -111,8 +111,8 @@ def _builder(parser: str, stream: bool) -> ReplyBuilder:
 
 
 def _output(text: str, finish_reason: str | None) -> RequestOutput:
-    return RequestOutput("r", None, [1], [CompletionOutput(0, text, [], None, None,
-                                                           finish_reason)], finish_reason is not None)
+    completion = CompletionOutput(0, text, [], None, None, finish_reason)
+    return RequestOutput("r", None, [1], [completion], finish_reason is not None)
 
 
 def _streamed(parser: str, pieces: list[str], finish_reason: str) -> tuple[str | None, list, str]:

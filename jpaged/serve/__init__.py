@@ -2,9 +2,10 @@
 
 `python -m jpaged.serve` runs it (`cli.main`). Modules: `cli` (flags, start-up), `app` (routes),
 `openai_api` (requests), `fields` (typed body fields), `chat` (chat prompts), `tools_api`
-(function calling), `tool_parsers` (tool calls in free text), `structured_api` (output constraints), `replies` (replies and stream
-chunks), `tokenize_api` (the tokenizer endpoints), `errors`, `async_engine` (the engine on its
-own thread), `data_parallel` (replicas behind one interface).
+(function calling), `tool_parsers` (tool calls in free text), `structured_api` (output
+constraints), `replies` (replies and stream chunks), `tokenize_api` (the tokenizer endpoints),
+`errors`, `async_engine` (the engine on its own thread), `data_parallel` (replicas behind one
+interface).
 """
 
 from jpaged.serve.app import build_app, model_info
