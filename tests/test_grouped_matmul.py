@@ -118,14 +118,17 @@ def test_tiles_cover_each_row_once_within_its_group(block_rows):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_lowers_to_a_triton_kernel_for_the_gpu(splits):
     """The kernel lowers for CUDA here too (the Pallas-to-Triton step, without a GPU): a CPU
-    machine catches an unsupported operation before a GPU run does."""
+    machine catches an unsupported operation before a GPU run does. Its tile list is one
+    pass, no loop of device iterations."""
     lowered = export.export(
         jax.jit(functools.partial(gm.grouped_matmul, splits=splits)), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
             jax.ShapeDtypeStruct((64, 256), jnp.bfloat16),
             jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16),
             jax.ShapeDtypeStruct((8,), jnp.int32))
-    assert "jpaged_grouped_matmul" in lowered.mlir_module()
+    module = lowered.mlir_module()
+    assert "jpaged_grouped_matmul" in module
+    assert "stablehlo.while" not in module      # the tile list takes no device loop
 
 
 def test_bad_shapes_are_named():

@@ -12,9 +12,9 @@ Here the work is a list of tiles: each group's rows split into tiles of `BLOCK_R
 no rows has none), and the grid runs (tile, column block) programs. A program reads its tile's
 rows and its group's weight columns, walks I in steps of `BLOCK_K` into one float32
 accumulator, and writes its rows of the output. The tile list is computed on the device from
-group_sizes (a cumulative sum and a search), so its length is a bound set by the shapes,
-cdiv(R, BLOCK_ROWS) + min(X, R), and programs past the routing's own count of tiles end at
-once. Tiles vary fastest: the programs of one group's tiles and one column block run side by
+group_sizes (cumulative sums and one comparison of tiles against groups, no device loop), so
+its length is a bound set by the shapes, cdiv(R, BLOCK_ROWS) + min(X, R), and programs past
+the routing's own count of tiles end at once. Tiles vary fastest: the programs of one group's tiles and one column block run side by
 side and read that weight tile from memory once between them. A group's weights are read once
 per tile of its rows, the least a tiled product can read; an empty group's never.
 
@@ -62,7 +62,11 @@ def tile_list(group_sizes, num_rows: int, block_rows: int = BLOCK_ROWS):
     tiles = (sizes + block_rows - 1) // block_rows                       # [X]
     tile_ends = jnp.cumsum(tiles)
     tile = jnp.arange(max_tiles(num_rows, num_groups, block_rows), dtype=jnp.int32)
-    group = jnp.searchsorted(tile_ends, tile, side="right").astype(jnp.int32)
+    # A tile's group: how many groups' tiles end at or before it. Compared all against all
+    # (tiles x groups, one fused pass) rather than searched: jnp.searchsorted's default is a
+    # device loop of log2(X) dependent iterations, run twice per layer.
+    group = jnp.searchsorted(tile_ends, tile, side="right", method="compare_all")
+    group = group.astype(jnp.int32)
     valid = group < num_groups
     group = jnp.where(valid, group, 0)
     first_tile = tile_ends[group] - tiles[group]
