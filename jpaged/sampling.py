@@ -175,6 +175,11 @@ class SamplingParams:
     `structured_outputs` (a `StructuredOutputsParams`, or a dict of its fields) constrains the
     output to a JSON schema, any JSON object, a regex, a choice or a grammar: only tokens that
     keep it valid are sampled, and it ends with finish_reason "stop" once complete.
+
+    `skip_special_tokens` (vLLM's, default True) leaves special tokens (the tokenizer's added
+    tokens marked special) out of the output text; False keeps them in, e.g. a tool-call marker
+    such as Llama 3.1's <|python_tag|>. Either way the token that ended the request (EOS or one
+    of `stop_token_ids`) is not part of the text, as in vLLM; token ids are the same both ways.
     """
     n: int = 1
     temperature: float = 1.0
@@ -191,6 +196,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
     structured_outputs: StructuredOutputsParams | Mapping | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         fields = {
@@ -224,8 +230,9 @@ class SamplingParams:
         if fields["prompt_logprobs"] is not None and fields["prompt_logprobs"] > MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, "
                              f"got {self.prompt_logprobs!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 

@@ -50,7 +50,8 @@ INVALID = [
     ("min_p", math.inf), ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 1.0),
     ("seed", 1.5), ("seed", "7"), ("stop", ""), ("stop", [""]), ("stop", ["ok", 3]),
     ("stop", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 7),
-    ("ignore_eos", "yes"), ("logit_bias", {3: 100.5}), ("logit_bias", {3: -101}),
+    ("ignore_eos", "yes"), ("skip_special_tokens", 0), ("skip_special_tokens", "false"),
+    ("skip_special_tokens", None), ("logit_bias", {3: 100.5}), ("logit_bias", {3: -101}),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {"3": 1.0}), ("logit_bias", {3: math.nan}),
     ("logit_bias", {3: True}), ("logit_bias", [3, 4]), ("logit_bias", 3),
     ("logit_bias", [(3, 1.0), (3, 2.0)]), ("logit_bias", {2**31: 1.0}),
@@ -96,6 +97,8 @@ def test_params_are_normalised_hashable_and_revalidated_on_replace():
     assert params.stop == ("###",) and params.stop_token_ids == (2, 3)
     assert SamplingParams().stop == () and SamplingParams().stop_token_ids == ()
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams().skip_special_tokens is True   # vLLM's default
+    assert SamplingParams(skip_special_tokens=False) != SamplingParams()
     assert hash(params) == hash(SamplingParams(stop=("###",), stop_token_ids=(2, 3),
                                                temperature=0.0))
     assert params.is_greedy and SamplingParams(temperature=1e-6).is_greedy
