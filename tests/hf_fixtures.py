@@ -349,8 +349,9 @@ PARITY_BUILDERS = {"llama2": _parity_llama2, "llama3": _parity_llama3,
                    "mistral": _parity_mistral, "qwen2": _parity_qwen2, "qwen3": _parity_qwen3,
                    "gemma2": _parity_gemma2, "gemma3": _parity_gemma3, "phi3": _parity_phi3}
 
-def write_tokenizer(out_dir: Path):
-    """Train a byte-level BPE (VOCAB_SIZE tokens, <s>=0, </s>=1) and write tokenizer.json.
+def write_tokenizer(out_dir: Path, extra_special_tokens: tuple[str, ...] = ()):
+    """Train a byte-level BPE (VOCAB_SIZE tokens, <s>=0, </s>=1, then extra_special_tokens from
+    2 on, e.g. tool-call markers) and write tokenizer.json.
 
     Encoding prepends <s>, as Llama tokenizers do; tokenizer_config.json names the specials.
     """
@@ -359,7 +360,8 @@ def write_tokenizer(out_dir: Path):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS_TOKEN, EOS_TOKEN],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE,
+                                  special_tokens=[BOS_TOKEN, EOS_TOKEN, *extra_special_tokens],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tokenizer.train_from_iterator(_TOKENIZER_TEXTS, trainer)

@@ -39,7 +39,8 @@ class OutputProcessor:
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                      request.params.stop)
+                                      request.params.stop,
+                                      skip_special_tokens=request.params.skip_special_tokens)
 
     def process(self, results, scored=()) -> StepOutcome:
         """results: [(ScheduledRow, sample index, Samples)] of one step or decode loop; scored:
@@ -95,7 +96,8 @@ class OutputProcessor:
     def _append_samples(self, request: Request, seq: Sequence, samples: Samples):
         """Append a step's or a loop's tokens to seq, up to the first that ends it: a stop
         string (the detokenizer's match), a stop id or EOS, a complete structured output,
-        max_tokens or max_model_len."""
+        max_tokens or max_model_len. A stop id or EOS that ends it is one of its tokens but not
+        part of its text (vLLM's rule: it would show with skip_special_tokens=False)."""
         params = request.params
         tokens = samples.token_ids
         room = max(1, min(params.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens),
@@ -107,7 +109,8 @@ class OutputProcessor:
         if seq.constraint is not None:
             end, is_complete = seq.constraint.consume(tokens[:end])
         consumed = seq.detokenizer.num_tokens
-        delta, hit_stop_string = seq.detokenizer.append(tokens[:end])
+        text_end = end - 1 if end > 0 and tokens[end - 1] in stop_ids else end
+        delta, hit_stop_string = seq.detokenizer.append(tokens[:text_end])
         is_delta = params.output_kind == RequestOutputKind.DELTA
         if is_delta:
             seq.unsent_text += delta
