@@ -67,6 +67,7 @@ SAMPLING = {
     "stop_token_ids": st.one_of(st.lists(st.integers(-5, 2**31 - 1), max_size=6),
                                 st.lists(EXTREME_INT, max_size=3), HUGE_LIST, JUNK),
     "ignore_eos": st.one_of(st.booleans(), JUNK),
+    "skip_special_tokens": st.one_of(st.booleans(), JUNK),
     "stream": st.one_of(st.booleans(), JUNK),
     "stream_options": st.one_of(st.just({"include_usage": True}), JSON_VALUE),
     "model": st.one_of(st.just("tiny"), TEXT, JUNK),
@@ -121,7 +122,7 @@ VALID = {"n": st.integers(1, 2), "temperature": st.sampled_from([0, 0.7, 1.0]),
          "min_p": st.sampled_from([0, 0.1]), "seed": st.integers(0, 2**32),
          "stop": st.lists(SHORT_TEXT, max_size=2), "stop_token_ids": st.lists(
              st.integers(0, 255), max_size=3), "ignore_eos": st.booleans(),
-         "stream": st.booleans()}
+         "skip_special_tokens": st.booleans(), "stream": st.booleans()}
 VALID_COMPLETION = {**VALID, "logprobs": st.integers(0, 5), "prompt": st.one_of(
     SHORT_TEXT, st.lists(st.integers(0, 255), min_size=1, max_size=6),
     st.lists(SHORT_TEXT, min_size=1, max_size=2))}

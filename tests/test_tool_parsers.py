@@ -5,14 +5,17 @@ must join to the full reply (no call marker leaks, not even half of one)."""
 import json
 
 import pytest
+import tokenizers
 
+from jpaged.engine.builder import default_model_dir
 from jpaged.request import CompletionOutput, RequestOutput
 from jpaged.sampling import SamplingParams
 from jpaged.serve import tools_api
 from jpaged.serve.errors import APIError
-from jpaged.serve.openai_api import ModelInfo, ParsedRequest
+from jpaged.serve.chat import ChatTemplate
+from jpaged.serve.openai_api import ModelInfo, ParsedRequest, parse_chat
 from jpaged.serve.replies import ReplyBuilder
-from jpaged.serve.tool_parsers import PARSERS, tool_call_parser
+from jpaged.serve.tool_parsers import PARSERS, markers_are_special, tool_call_parser
 
 FUNCTIONS = ("add", "now")
 ADD_7, NOW = ("add", {"a": 7}), ("now", {})
@@ -101,6 +104,54 @@ def test_auto_needs_a_parser_and_is_the_default_with_tools():
     one = tools_api.tool_calling({**body, "parallel_tool_calls": False}, PARSERS["hermes"])
     content, calls, finish_reason = one.reply(hermes_call("now") + hermes_call("add"), "stop")
     assert [call["function"]["name"] for call in calls] == ["now"]   # the first only
+
+
+# ---- special-token markers --------------------------------------------------------------------
+def _tokenizer(special: list[str], plain: list[str]) -> tokenizers.Tokenizer:
+    """The built-in model's byte-level tokenizer plus added tokens, special or not."""
+    tokenizer = tokenizers.Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(plain)
+    return tokenizer
+
+
+def test_markers_are_special_only_where_the_tokenizer_marks_them_special():
+    llama = _tokenizer(["<|python_tag|>"], [])
+    qwen = _tokenizer(["<|im_end|>"], ["<tool_call>"])  # Qwen's markers are added, not special
+    mistral = _tokenizer(["[TOOL_CALLS]"], [])
+    assert markers_are_special(PARSERS["llama3_json"], llama)
+    assert markers_are_special(PARSERS["mistral"], mistral)
+    assert not markers_are_special(PARSERS["hermes"], qwen)
+    assert not markers_are_special(PARSERS["mistral"], llama)
+    assert not markers_are_special(PARSERS["llama3_json"], qwen)
+    assert not markers_are_special(None, llama) and not markers_are_special(
+        PARSERS["llama3_json"], None)
+    # What the flag is for: decoding with skip_special_tokens drops the marker.
+    tag = llama.token_to_id("<|python_tag|>")
+    assert llama.decode([tag], skip_special_tokens=True) == ""
+    assert llama.decode([tag], skip_special_tokens=False) == "<|python_tag|>"
+
+
+@pytest.mark.parametrize("extra,is_special,skips", [
+    ({}, True, False),                                    # auto: markers reach the parser
+    ({"tool_choice": "auto"}, True, False),
+    ({"skip_special_tokens": None}, True, False),         # null: not set
+    ({"skip_special_tokens": True}, True, True),          # set by the request: kept
+    ({"tool_choice": "auto", "skip_special_tokens": False}, True, False),
+    ({}, False, True),                                    # the markers are plain text
+    ({"tool_choice": "none"}, True, True),                # no parsing, no change
+    ({"tools": None}, True, True),
+    ({"tools": None, "skip_special_tokens": False}, False, False),
+])
+def test_auto_decodes_with_special_tokens_where_the_markers_are_special(extra, is_special,
+                                                                          skips):
+    tokenizer = _tokenizer(["<|python_tag|>"], [])
+    model = ModelInfo("tiny", tokenizer, tokenizer.get_vocab_size(), 256, ChatTemplate(),
+                      tool_parser=PARSERS["llama3_json"], tool_markers_are_special=is_special)
+    body = {"messages": [{"role": "user", "content": "Now?"}], "max_tokens": 4,
+            "tools": [{"type": "function", "function": {"name": name}} for name in FUNCTIONS],
+            **extra}
+    assert parse_chat(body, model).params.skip_special_tokens is skips
 
 
 # ---- streams ------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ def model_info(engine, model_dir, name: str,
     """tool_call_parser: a `tool_parsers.PARSERS` name for tool_choice "auto" (None: the model
     family's, if it has one); an unknown name is a ValueError."""
     chat_template = chat.ChatTemplate.from_model_dir(model_dir)
+    parser = tool_parsers.tool_call_parser(tool_call_parser, engine.model_config.model_type,
+                                           chat_template.source)
     return api.ModelInfo(name=name, tokenizer=engine.tokenizer,
                          vocab_size=engine.model_config.vocab_size,
                          max_model_len=engine.config.max_model_len,
@@ -46,9 +48,9 @@ def model_info(engine, model_dir, name: str,
                              model_dir, chat_template.source, engine.tokenizer,
                              engine.model_config.eos_token_ids),
                          constraints=engine.inputs.constraints,
-                         tool_parser=tool_parsers.tool_call_parser(
-                             tool_call_parser, engine.model_config.model_type,
-                             chat_template.source))
+                         tool_parser=parser,
+                         tool_markers_are_special=tool_parsers.markers_are_special(
+                             parser, engine.tokenizer))
 
 
 

@@ -8,9 +8,11 @@ Parameters that would change the result but are not implemented (suffix, best_of
 presence/frequency penalties; echo on chat and on streamed completions) are rejected rather than
 ignored. `logit_bias` maps token ids (JSON object keys, so decimal strings) to biases in
 [-100, 100] added to the logits before sampling. `prompt_logprobs` (vLLM's extra field) puts each
-prompt token's logprob on the choice; `echo` with `logprobs` on /v1/completions puts the prompt's
-tokens before the completion's, as OpenAI does (the first prompt token's logprob null). `tools`
-and `tool_choice` on chat: `tools_api.py`.
+prompt token's logprob on the choice; `skip_special_tokens` (vLLM's extra field, default true)
+leaves special tokens out of the text. `echo` with `logprobs` on /v1/completions puts the
+prompt's tokens before the completion's, as OpenAI does (the first prompt token's logprob null).
+`tools` and `tool_choice` on chat: `tools_api.py` (tool_choice "auto" keeps special tokens in
+the text unless the request sets skip_special_tokens, where the parser's markers are special).
 """
 import dataclasses
 import json
@@ -23,7 +25,8 @@ from jpaged.serve.fields import body_field
 from jpaged.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
-                    "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias")
+                    "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias",
+                    "skip_special_tokens")
 # Parameters we do not implement, with the value that means "off" (anything else is rejected).
 _UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0, 0.0),
                 "frequency_penalty": (0, 0.0), "tools": ([],)}
@@ -41,6 +44,7 @@ class ModelInfo:
     tokenizer_info: dict = dataclasses.field(default_factory=dict)   # GET /tokenizer_info
     constraints: object = None  # the engine's ConstraintCompiler (structured outputs)
     tool_parser: object = None  # tool_parsers.ToolCallParser for tool_choice "auto" (None: none)
+    tool_markers_are_special: bool = False   # its markers are special tokens of the tokenizer
 
 
 def max_token_chars(tokenizer) -> int | None:
@@ -183,11 +187,13 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
 
 
 def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, model: ModelInfo,
-                     prompt_logprobs=None, tool_schema=None) -> SamplingParams:
+                     prompt_logprobs=None, tool_schema=None,
+                     skip_special_tokens: bool = True) -> SamplingParams:
     """A stream is built from the engine's DELTA outputs (text past any possible stop-string
     prefix, tokens and logprobs new since the last output). A full reply asks for CUMULATIVE
     outputs, not FINAL_ONLY: the latency histograms (TTFT, TPOT) are observed on every output,
-    and FINAL_ONLY would give them one, at the end."""
+    and FINAL_ONLY would give them one, at the end. skip_special_tokens: the default where the
+    body does not set it."""
     values = dict(n=body_field(body, "n", (int,), 1),
                   temperature=body_field(body, "temperature", (float,), 1.0),
                   top_p=body_field(body, "top_p", (float,), 1.0),
@@ -197,6 +203,8 @@ def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, model: M
                   stop=body_field(body, "stop", (str, list)),
                   stop_token_ids=body_field(body, "stop_token_ids", (list,)),
                   ignore_eos=body_field(body, "ignore_eos", (bool,), False),
+                  skip_special_tokens=body_field(body, "skip_special_tokens", (bool,),
+                                                 skip_special_tokens),
                   logit_bias=_logit_bias(body, model.vocab_size),
                   structured_outputs=structured_api.structured_outputs(body, model.constraints,
                                                                        tool_schema),
@@ -332,8 +340,12 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     prompt_logprobs = _prompt_logprobs(body)
     max_tokens = _check_length(prompts, max_tokens, model.max_model_len, "messages")
     stream = body_field(body, "stream", (bool,), False)
+    # As vLLM's parsers' adjust_request: "auto" keeps special tokens in the text when the
+    # parser's markers are special tokens, or they would never reach it.
+    keeps_markers = tools is not None and tools.choice == "auto" and model.tool_markers_are_special
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
                               model=model, prompt_logprobs=prompt_logprobs,
-                              tool_schema=tools and tools.schema)
+                              tool_schema=tools and tools.schema,
+                              skip_special_tokens=not keeps_markers)
     return ParsedRequest(True, prompts, params, stream, _stream_options(body, stream), logprobs,
                          prompt_logprobs, tools=tools)

@@ -8,9 +8,13 @@
     mistral      [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}}; or that
                  list as the whole reply
 
-The engine leaves special tokens out of the text, and <|python_tag|> and [TOOL_CALLS] are
-special in Llama 3.1's and Mistral's tokenizers: so a reply that opens with the calls' JSON is
-read as calls too (vLLM's llama3_json parser reads a reply opening with "{" the same way).
+<|python_tag|> and [TOOL_CALLS] are special tokens in Llama 3.1's and Mistral's tokenizers, which
+the engine leaves out of the text by default: where a parser's markers are special tokens
+(`markers_are_special`), a tool_choice "auto" request is decoded with skip_special_tokens false,
+unless it sets that field itself (as vLLM's parsers' `adjust_request`), so the markers reach the
+parser and calls after some text are found. A reply that opens with the calls' JSON is read as
+calls too (a Llama 3 model also writes bare JSON calls; vLLM's llama3_json parser reads a reply
+opening with "{" the same way).
 
 A call becomes one of `message.tool_calls` only if its JSON parses, it names a function of the
 request's `tools` and its arguments are an object; anything else stays in the content as the
@@ -166,6 +170,8 @@ PARSERS = {parser.name: parser for parser in (
     ToolCallParser("llama3_json", (PYTHON_TAG,), _llama3_json, opens_with="{"),
     ToolCallParser("mistral", (TOOL_CALLS,), _mistral, opens_with="["),
 )}
+
+
 _BY_MODEL_TYPE = {"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
                   "mistral": "mistral", "mixtral": "mistral"}
 _LLAMA3_HEADER = "<|start_header_id|>"   # in Llama 3's chat templates, not Llama 2's
@@ -184,3 +190,14 @@ def tool_call_parser(name: str | None, model_type: str,
     if name not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(PARSERS)}")
     return PARSERS[name]
+
+
+def markers_are_special(parser: ToolCallParser | None, tokenizer) -> bool:
+    """Whether one of the parser's markers is a special token of `tokenizer` (a
+    `tokenizers.Tokenizer`; None: no), which decoding with skip_special_tokens would drop."""
+    if parser is None or tokenizer is None:
+        return False
+    special = {token.content for token in tokenizer.get_added_tokens_decoder().values()
+               if token.special}
+    return any(marker in special for marker in parser.markers)
+
