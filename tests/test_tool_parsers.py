@@ -81,7 +81,8 @@ def test_parsers_find_calls_and_keep_the_rest_as_content(parser, text, content, 
     (None, "llama", "{{ '<|start_header_id|>' + m.role }}", "llama3_json"),
     (None, "llama", None, None),          # the built-in model: Llama, the default template
     (None, "gemma2", None, None),
-    ("hermes", "llama", None, "hermes"), ("mistral", "gemma2", None, "mistral")])
+    ("hermes", "llama", None, "hermes"), ("mistral", "gemma2", None, "mistral"),
+    ("none", "qwen3", None, None)])      # the family's parser turned off
 def test_the_parser_comes_from_its_name_or_the_model_family(name, model_type, template,
                                                              expected):
     parser = tool_call_parser(name, model_type, template)

@@ -40,12 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
              "trained on the Python standard library (docs/default_model.md)")
     add("--served-model-name", default=None,
         help=f"name clients send as 'model' (default: the --model path, or {DEFAULT_MODEL_NAME})")
-    add("--tool-call-parser", default=None, choices=list(PARSERS),
+    add("--tool-call-parser", default=None, choices=[*PARSERS, "none"],
         help="how tool_choice 'auto' finds a chat reply's tool calls in its text: hermes "
              "(Qwen2, Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1+), mistral. Omitted: the "
              "model family's (Qwen -> hermes, Llama with a Llama 3 chat template -> "
-             "llama3_json, Mistral and Mixtral -> mistral); a family with none answers 'auto' "
-             "with a 400")
+             "llama3_json, Mistral and Mixtral -> mistral); a family with none, or 'none', "
+             "answers 'auto' with a 400")
     add("--host", default="127.0.0.1", help="address to bind")
     add("--port", type=int, default=8000, help="port to bind")
     add("--uvicorn-log-level", default="info",

@@ -181,7 +181,10 @@ def tool_call_parser(name: str | None, model_type: str,
                      chat_template: str | None) -> ToolCallParser | None:
     """The parser called `name`, or (None) the one for the model's family: Qwen -> hermes,
     Mistral and Mixtral -> mistral, Llama with a Llama 3 chat template -> llama3_json; None where
-    the family has none. An unknown name is a ValueError listing the known ones."""
+    the family has none, or for the name "none" (the family's parser off). An unknown name is a
+    ValueError listing the known ones."""
+    if name == "none":
+        return None
     if name is None:
         name = _BY_MODEL_TYPE.get(model_type)
         if model_type == "llama" and _LLAMA3_HEADER in (chat_template or ""):
