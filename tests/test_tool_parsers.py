@@ -1,6 +1,5 @@
 """tool_choice "auto": each family's parser on written replies (calls found, anything else kept
-as content), the parser a model gets, and a reply streamed in every split into chunks, which
-must join to the full reply (no call marker leaks, not even half of one)."""
+as content) and the parser a model gets. Streams of these replies: tests/test_tool_stream.py."""
 
 import json
 
@@ -39,6 +38,7 @@ HERMES = [   # (reply text, content, calls)
     (hermes_call("add", {"a": 1}).replace('{"a": 1}', '"a=1"'),                 # arguments not {}
      hermes_call("add", {"a": 1}).replace('{"a": 1}', '"a=1"'), []),
     (f"{hermes_call('sub')}\n{hermes_call('add', {'a': 7})}", hermes_call("sub"), [ADD_7]),
+    ('<tool_call>{"arguments": {"a":7}, "name": "add"}</tool_call>', None, [ADD_7]),   # any order
 ]
 LLAMA3_JSON = [
     ('{"name": "add", "parameters": {"a": 7}}', None, [ADD_7]),
@@ -72,7 +72,18 @@ CASES = ([("hermes", *case) for case in HERMES] + [("llama3_json", *case) for ca
 
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
 def test_parsers_find_calls_and_keep_the_rest_as_content(parser, text, content, calls):
-    assert PARSERS[parser].parse(text, FUNCTIONS) == ((content, calls) if calls else (text, []))
+    found_content, found = PARSERS[parser].parse(text, FUNCTIONS)
+    assert (found_content, [(name, json.loads(arguments)) for name, arguments in found]) == (
+        (content, calls) if calls else (text, []))
+
+
+def test_hermes_arguments_are_the_text_the_model_wrote_others_are_reserialised():
+    written = '{"a":7, "s": "\\u00e9",  "a": 8}'     # a repeated key: the last one counts
+    hermes = f'<tool_call>{{"name": "add", "arguments": {written}}}</tool_call>'
+    assert PARSERS["hermes"].parse(hermes, FUNCTIONS) == (None, [("add", written)])
+    llama = f'{{"name": "add", "parameters": {written}}}'
+    assert PARSERS["llama3_json"].parse(llama, FUNCTIONS) == (
+        None, [("add", '{"a": 8, "s": "é"}')])
 
 
 @pytest.mark.parametrize("name,model_type,template,expected", [
@@ -153,68 +164,3 @@ def test_auto_decodes_with_special_tokens_where_the_markers_are_special(extra, i
             "tools": [{"type": "function", "function": {"name": name}} for name in FUNCTIONS],
             **extra}
     assert parse_chat(body, model).params.skip_special_tokens is skips
-
-
-# ---- streams ------------------------------------------------------------------------------------
-def _builder(parser: str, stream: bool) -> ReplyBuilder:
-    tools = tools_api.ToolCalling([], "auto", parser=PARSERS[parser], functions=FUNCTIONS)
-    parsed = ParsedRequest(True, [[1]], SamplingParams(), stream, False, None, tools=tools)
-    return ReplyBuilder(parsed, ModelInfo("tiny", None, 257, 256, None))
-
-
-def _output(text: str, finish_reason: str | None) -> RequestOutput:
-    completion = CompletionOutput(0, text, [], None, None, finish_reason)
-    return RequestOutput("r", None, [1], [completion], finish_reason is not None)
-
-
-def _streamed(parser: str, pieces: list[str], finish_reason: str) -> tuple[str | None, list, str]:
-    """(joined content, calls, last finish_reason) of a stream whose deltas bring `pieces`."""
-    builder, deltas = _builder(parser, stream=True), []
-    for number, piece in enumerate(pieces, 1):
-        output = _output(piece, finish_reason if number == len(pieces) else None)
-        deltas += [chunk["choices"][0] for chunk in builder.chunks(0, output)]
-    assert all(d["finish_reason"] is None for d in deltas[:-1])
-    assert all("tool_calls" not in d["delta"] for d in deltas[:-1])   # calls come whole, last
-    contents = [d["delta"]["content"] for d in deltas if "content" in d["delta"]]
-    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
-    assert [call["index"] for call in calls] == list(range(len(calls)))
-    return ("".join(contents) if contents else None), calls, deltas[-1]["finish_reason"]
-
-
-def _splits(text: str):
-    """The text in two pieces at every position, and one character at a time."""
-    yield from ([text[:cut], text[cut:]] for cut in range(len(text) + 1))
-    yield list(text)
-
-
-@pytest.mark.parametrize("parser,text,content,calls", CASES)
-def test_a_stream_split_anywhere_joins_to_the_full_reply(parser, text, content, calls):
-    full = _builder(parser, stream=False).full([_output(text, "stop")])["choices"][0]
-    assert (full["message"]["content"], full["finish_reason"]) == (
-        content if calls else text, "tool_calls" if calls else "stop")
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-            for c in full["message"].get("tool_calls", [])] == calls
-    for pieces in _splits(text):
-        joined, streamed_calls, finish_reason = _streamed(parser, pieces, "stop")
-        assert joined == full["message"]["content"], pieces
-        assert [c["function"] for c in streamed_calls] == [
-            c["function"] for c in full["message"].get("tool_calls", [])]
-        assert finish_reason == full["finish_reason"]
-
-
-def test_text_before_a_call_streams_as_it_comes_and_a_half_marker_waits():
-    builder = _builder("hermes", stream=True)
-    sent = [builder.chunks(0, _output(piece, None)) for piece in ("Sure", ". <tool", "_ca")]
-    assert [[c["choices"][0]["delta"] for c in chunks] for chunks in sent] == [
-        [{"content": "Sure"}], [{"content": "."}], []]
-    last = builder.chunks(0, _output('ll>{"name": "now"}</tool_call>', "stop"))[0]["choices"][0]
-    assert last["finish_reason"] == "tool_calls" and "content" not in last["delta"]
-    assert last["delta"]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
-
-
-def test_a_reply_cut_short_keeps_its_text_as_content():
-    text = hermes_call("add", {"a": 7})
-    full = _builder("hermes", stream=False).full([_output(text, "length")])["choices"][0]
-    assert full["message"] == {"role": "assistant", "content": text}
-    assert full["finish_reason"] == "length"
-    assert _streamed("hermes", [text[:5], text[5:]], "length") == (text, [], "length")

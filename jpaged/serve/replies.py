@@ -7,6 +7,7 @@ import uuid
 
 from jpaged.request import RequestOutput
 from jpaged.serve.openai_api import ModelInfo, ParsedRequest
+from jpaged.serve.tools_api import new_call_id
 
 
 def new_id(is_chat: bool) -> str:
@@ -30,9 +31,12 @@ class ReplyBuilder:
         self._object = "chat.completion" if parsed.is_chat else "text_completion"
         self._text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         self._finished: set[int] = set()
-        # A chat stream with tools: choice index -> the content sent, and the text held back
-        self._sent: dict[int, list[str]] = {}
-        self._held: dict[int, str] = {}
+        # A chat stream with tools, by choice index: the reply's text so far, how much of it was
+        # sent as content, the calls sent ([name, arguments sent]), and whether calls stopped
+        self._texts: dict[int, str] = {}
+        self._content_sent: dict[int, int] = {}
+        self._calls_sent: dict[int, list[list[str]]] = {}
+        self._calls_stopped: set[int] = set()
 
     def _chat_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the assistant message, the choice's finish_reason): the reply's tool calls, where
@@ -133,8 +137,10 @@ class ReplyBuilder:
                 for i in range(count)]
 
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict]:
-        """One chunk per choice that a DELTA output moves on: its new text (the engine holds back
-        what may still become a stop string), its new tokens' logprobs, its finish_reason.
+        """The chunks of each choice that a DELTA output moves on: its new text (the engine
+        holds back what may still become a stop string), its new tokens' logprobs (on its first
+        chunk), its finish_reason (on its last). A chat choice with tools may take several
+        chunks: a tool call's header and its arguments' fragments each take one.
 
         A delta with nothing the client sees (a token whose text is held back, and no logprobs
         asked) makes no chunk. A finished sequence keeps appearing in later outputs, empty."""
@@ -147,11 +153,12 @@ class ReplyBuilder:
             if index in self._finished:
                 continue
             if self.parsed.is_chat:
-                delta, finish_reason = self._chat_delta(index, completion.text,
-                                                        completion.finish_reason)
+                deltas, finish_reason = self._chat_deltas(index, completion.text,
+                                                          completion.finish_reason)
             else:
-                delta, finish_reason = completion.text, completion.finish_reason
-            if not (delta or has_logprobs or is_done):
+                deltas = [completion.text] if completion.text else []
+                finish_reason = completion.finish_reason
+            if not (deltas or has_logprobs or is_done):
                 continue
             offset = self._text_offsets.get(index, 0)
             logprobs = self._logprobs(completion.token_ids, completion.logprobs, offset)
@@ -159,39 +166,88 @@ class ReplyBuilder:
                 self._text_offsets[index] = offset + sum(map(len, logprobs["tokens"]))
             if is_done:
                 self._finished.add(index)
-            if self.parsed.is_chat:
-                choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": finish_reason}
-            else:
-                choice = {"index": index, "text": delta, "logprobs": logprobs,
-                          "finish_reason": finish_reason}
-            chunks.append(self._envelope([self._with_prompt_logprobs(choice, output)],
-                                         chunk=True))
+            deltas = deltas or [{} if self.parsed.is_chat else ""]
+            for number, delta in enumerate(deltas):
+                choice = {"index": index, "delta" if self.parsed.is_chat else "text": delta,
+                          "logprobs": logprobs if number == 0 else None,
+                          "finish_reason": finish_reason if number == len(deltas) - 1 else None}
+                if number == 0:
+                    choice = self._with_prompt_logprobs(choice, output)
+                chunks.append(self._envelope([choice], chunk=True))
         return chunks
 
-    def _chat_delta(self, index: int, text: str, finish_reason) -> tuple[dict, str | None]:
-        """A chat chunk's delta and finish_reason. With tools, the text that may still become a
-        call is held (`ToolCalling.streamable`) until the choice ends; then the full reply's
-        message gives the rest of the content and the calls, sent whole: a client that joins
-        the deltas gets the full reply's message."""
+    def _chat_deltas(self, index: int, text: str, finish_reason) -> tuple[list[dict], str | None]:
+        """A chat choice's deltas for its new text, and its finish_reason. With tools, content
+        streams up to where a call may start (`ToolCalling.streamable`), and each call as it is
+        written (`ToolCalling.calls_so_far`): its header once its name is one of the functions
+        and its arguments have opened, then its arguments' text as it comes. The last deltas
+        send what the full reply has beyond that: a client that joins the deltas gets the full
+        reply's message (`_last_deltas` says where it cannot)."""
         tools = self.parsed.tools
         if tools is None or tools.choice == "none":
-            return ({"content": text} if text else {}), finish_reason
-        held, sent = self._held.pop(index, "") + text, self._sent.setdefault(index, [])
-        if finish_reason is None:
-            count = tools.streamable(held, opens_reply=not sent)
-            self._held[index] = held[count:]
-            if not count:
-                return {}, None
-            sent.append(held[:count])
-            return {"content": held[:count]}, None
-        message, finish_reason = self._chat_message("".join(sent) + held, finish_reason)
-        rest = (message["content"] or "")[sum(map(len, sent)):]
-        delta = {"content": rest} if rest else {}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": i, **call}
-                                   for i, call in enumerate(message["tool_calls"])]
-        return delta, finish_reason
+            return ([{"content": text}] if text else []), finish_reason
+        whole = self._texts[index] = self._texts.get(index, "") + text
+        if finish_reason is not None:
+            return self._last_deltas(index, whole, finish_reason)
+        sent = self._content_sent.get(index, 0)
+        count = tools.streamable(whole[sent:], opens_reply=not sent)
+        self._content_sent[index] = sent + count
+        content = [{"content": whole[sent:sent + count]}] if count else []
+        return content + self._call_deltas(index, whole), None
+
+    def _call_deltas(self, index: int, text: str) -> list[dict]:
+        """The calls' headers and argument fragments that `text` adds to those sent. Calls stop
+        streaming for good where the text turns out not to continue them (a call sent turns
+        out not to be one): the last chunk then decides."""
+        sent, deltas = self._calls_sent.setdefault(index, []), []
+        if index in self._calls_stopped:
+            return deltas
+        try:
+            calls = self.parsed.tools.calls_so_far(text)
+        except ValueError:
+            calls = []
+        if len(calls) < len(sent):
+            self._calls_stopped.add(index)
+        for number, call in enumerate(calls):
+            if number < len(sent) and (call.name != sent[number][0]
+                                       or not call.arguments.startswith(sent[number][1])):
+                self._calls_stopped.add(index)
+                break
+            if number == len(sent):
+                if call.name is None or not (call.arguments.startswith("{") or call.is_complete):
+                    break
+                sent.append([call.name, ""])
+                deltas.append(_call_delta(number, header=call.name))
+            fragment = call.sendable()[len(sent[number][1]):]
+            if fragment:
+                sent[number][1] += fragment
+                deltas.append(_call_delta(number, arguments=fragment))
+        return deltas
+
+    def _last_deltas(self, index: int, text: str,
+                     finish_reason: str) -> tuple[list[dict], str | None]:
+        """A tool-using chat choice's last deltas and its finish_reason (the full reply's): the full reply's content beyond what was sent,
+        the rest of each call sent, and the calls not sent yet, whole. Where the calls sent are
+        not the start of the full reply's (a reply cut short, finish_reason "length", or a call
+        whose JSON broke after its header was sent), the last text streams as any other (the
+        calls' fragments it adds) and nothing more is sent: the stream keeps what it has, as
+        vLLM's does, and the full reply keeps that text as content."""
+        message, finish_reason = self._chat_message(text, finish_reason)
+        calls, sent = message.get("tool_calls", []), self._calls_sent.get(index, [])
+        if len(calls) < len(sent) or any(
+                call["function"]["name"] != name or not call["function"]["arguments"].startswith(
+                    arguments) for call, (name, arguments) in zip(calls, sent)):
+            return self._call_deltas(index, text), finish_reason
+        rest = (message["content"] or "")[self._content_sent.get(index, 0):]
+        deltas = [{"content": rest}] if rest else []
+        for number, call in enumerate(calls):
+            if number >= len(sent):
+                sent.append([call["function"]["name"], ""])
+                deltas.append(_call_delta(number, header=call["function"]["name"],
+                                          call_id=call["id"]))
+            if fragment := call["function"]["arguments"][len(sent[number][1]):]:
+                deltas.append(_call_delta(number, arguments=fragment))
+        return deltas, finish_reason
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
         return {**self._envelope([], chunk=True),
@@ -227,6 +283,16 @@ class ReplyBuilder:
         if self.model.tokenizer is None:
             return f"token_id:{token_id}"
         return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _call_delta(index: int, header: str | None = None, arguments: str = "",
+                call_id: str | None = None) -> dict:
+    """A delta of one tool call: its header (id, type, name; arguments "") or a fragment of its
+    arguments, as OpenAI streams them."""
+    if header is None:
+        return {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}
+    return {"tool_calls": [{"index": index, "id": call_id or new_call_id(), "type": "function",
+                            "function": {"name": header, "arguments": ""}}]}
 
 
 def sse(data) -> str:

@@ -28,8 +28,12 @@ import json
 import re
 from collections.abc import Callable, Collection
 
+from jpaged.serve.tool_stream import (ARGUMENT_KEYS, CallText, call_of, object_call,
+                                      skip_space)
+
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
+HERMES_CLOSE = "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # unclosed at the end
 _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"\s*")
@@ -37,11 +41,13 @@ _SPACE = re.compile(r"\s*")
 
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """Where a possible call is written, text[start:end], and the JSON objects it holds (None:
-    its JSON did not parse)."""
+    """Where a possible call is written, text[start:end], the JSON objects it holds (None: its
+    JSON did not parse), and their raw texts where the parser keeps them (the calls' arguments
+    are then the model's own text; otherwise json.dumps of the parsed value)."""
     start: int
     end: int
     objects: list | None
+    texts: list[str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,18 +57,22 @@ class ToolCallParser:
     markers: tuple[str, ...]          # text that opens a call: a stream holds back from there
     find: Callable[[str], list[Span]]  # the possible calls, in order, not overlapping
     opens_with: str = ""              # a reply that starts with this ("{", "[") is a call too
+    # the calls written so far, for a stream (None: the calls are sent whole when the reply ends)
+    calls_so_far: Callable[[str, Collection[str]], list[CallText]] | None = None
 
     def parse(self, text: str,
-              functions: Collection[str]) -> tuple[str | None, list[tuple[str, dict]]]:
-        """(content, [(function name, arguments)]): the calls written in `text` to `functions`,
-        and the text outside them; no calls: (text, [])."""
+              functions: Collection[str]) -> tuple[str | None, list[tuple[str, str]]]:
+        """(content, [(function name, arguments JSON text)]): the calls written in `text` to
+        `functions`, and the text outside them; no calls: (text, [])."""
         calls, outside, at = [], [], 0
         for span in self.find(text):
-            found = [_call(value, functions) for value in span.objects or ()]
+            found = [call_of(value, functions) for value in span.objects or ()]
             if not found or None in found:
                 continue                 # not a call: it stays in the content
             outside.append(text[at:span.start])
-            calls.extend(found)
+            texts = span.texts or [None] * len(found)
+            calls.extend((name, _arguments_text(arguments, raw, functions))
+                         for (name, arguments), raw in zip(found, texts))
             at = span.end
         if not calls:
             return text, []
@@ -92,16 +102,14 @@ class ToolCallParser:
         return len(text)
 
 
-def _call(value, functions: Collection[str]) -> tuple[str, dict] | None:
-    """(name, arguments) of one call's JSON object, or None where it is not a call to one of
-    `functions` with an object of arguments (none given: {})."""
-    if not isinstance(value, dict):
-        return None
-    name = value.get("name")
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(name, str) or name not in functions or not isinstance(arguments, dict):
-        return None
-    return name, arguments
+def _arguments_text(arguments: dict, raw: str | None, functions: Collection[str]) -> str:
+    """A call's arguments as the model wrote them in `raw` (its JSON object's text), as a stream
+    sends them; json.dumps of the parsed value where the parser keeps no raw text."""
+    if raw is not None:
+        call = object_call(raw, skip_space(raw, 0), ARGUMENT_KEYS, functions)
+        if call is not None and call.is_complete:
+            return call.arguments
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def _hermes(text: str) -> list[Span]:
@@ -111,8 +119,33 @@ def _hermes(text: str) -> list[Span]:
             value = json.loads(match.group(1))
         except ValueError:
             value = None
-        spans.append(Span(match.start(), match.end(), None if value is None else [value]))
+        spans.append(Span(match.start(), match.end(), None if value is None else [value],
+                          [match.group(1)]))
     return spans
+
+
+def _hermes_so_far(text: str, functions: Collection[str]) -> list[CallText]:
+    """The Hermes calls written so far: those `parse` finds, then the one still being written,
+    if it may yet be a call (its name, when whole, one of `functions`; its arguments an
+    object). A call is complete once its </tool_call> has come."""
+    calls = []
+    for match in _HERMES_CALL.finditer(text):
+        inner, is_closed = match.group(1), match.group(0).endswith(HERMES_CLOSE)
+        at = skip_space(inner, 0)
+        try:
+            call = object_call(inner, at, ARGUMENT_KEYS, functions)
+            if is_closed and call is not None and not (
+                    call.is_complete and call_of(json.loads(inner), functions)):
+                call = None
+        except ValueError:
+            call = None
+        if call is None and is_closed:
+            continue                     # not a call: it stays in the content
+        if call is None or not is_closed:   # never a call, or still being written
+            calls += [] if call is None else [dataclasses.replace(call, is_complete=False)]
+            break
+        calls.append(call)
+    return calls
 
 
 def _llama3_json(text: str) -> list[Span]:
@@ -166,7 +199,7 @@ def _skip_space(text: str, at: int) -> int:
 
 
 PARSERS = {parser.name: parser for parser in (
-    ToolCallParser("hermes", ("<tool_call>",), _hermes),
+    ToolCallParser("hermes", ("<tool_call>",), _hermes, calls_so_far=_hermes_so_far),
     ToolCallParser("llama3_json", (PYTHON_TAG,), _llama3_json, opens_with="{"),
     ToolCallParser("mistral", (TOOL_CALLS,), _mistral, opens_with="["),
 )}

@@ -28,6 +28,7 @@ import uuid
 
 from jpaged.serve.errors import APIError
 from jpaged.serve.tool_parsers import PARSERS, ToolCallParser
+from jpaged.serve.tool_stream import CallText, named_calls, required_calls
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")     # OpenAI's rule for function names
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}   # none
@@ -42,7 +43,7 @@ class ToolCalling:
     name: str | None = None          # the named function
     schema: dict | None = None       # the reply's JSON schema (None: unconstrained)
     parser: ToolCallParser | None = None   # auto: finds the calls in the text
-    functions: tuple[str, ...] = ()  # auto: the functions a call may name
+    functions: tuple[str, ...] = ()  # the functions a call may name
     is_parallel: bool = True         # auto: more than one call allowed
 
     def reply(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict],
@@ -54,10 +55,8 @@ class ToolCalling:
         content, pairs = self._found(text)
         if not pairs:
             return text, [], finish_reason
-        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                  "function": {"name": name, "arguments": json.dumps(arguments,
-                                                                      ensure_ascii=False)}}
-                 for name, arguments in pairs]
+        calls = [{"id": new_call_id(), "type": "function",
+                  "function": {"name": name, "arguments": arguments}} for name, arguments in pairs]
         return content, calls, "stop" if self.choice == "named" else "tool_calls"
 
     def streamable(self, text: str, opens_reply: bool) -> int:
@@ -68,19 +67,39 @@ class ToolCalling:
             return len(text)
         return self.parser.streamable(text, opens_reply) if self.choice == "auto" else 0
 
-    def _found(self, text: str) -> tuple[str | None, list[tuple[str, object]]]:
-        """(content, [(name, arguments)]) of a completed reply."""
+    def calls_so_far(self, text: str) -> list[CallText]:
+        """The calls a reply's text holds so far, in order, the last maybe still being written:
+        a stream sends each as it comes. None for "auto" with a parser that has no streaming
+        (its calls are sent whole when the reply ends). ValueError: the text can hold no more
+        calls."""
+        if self.choice == "named":
+            return named_calls(text, self.name)
+        if self.choice == "required":
+            return required_calls(text, self.functions)
+        if self.choice == "auto" and self.parser.calls_so_far is not None:
+            calls = self.parser.calls_so_far(text, self.functions)
+            return calls if self.is_parallel else calls[:1]
+        return []
+
+    def _found(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+        """(content, [(name, arguments JSON text)]) of a completed reply; the arguments as the
+        model wrote them (forced calls and Hermes), so that a stream can send them as they
+        come."""
         if self.choice == "auto":
             content, pairs = self.parser.parse(text, self.functions)
             return content, pairs if self.is_parallel else pairs[:1]   # as vLLM does
         try:
             value = json.loads(text)
+            calls = self.calls_so_far(text)
         except ValueError:
             return text, []
-        if self.choice == "named":
-            return None, [(self.name, value)] if isinstance(value, dict) else []
-        return None, [(item.get("name"), item.get("parameters")) for item in value
-                      if isinstance(item, dict)] if isinstance(value, list) else []
+        if self.choice == "named" and not isinstance(value, dict):
+            return text, []
+        return None, [(call.name, call.arguments) for call in calls if call.is_complete]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def tool_calling(body: dict, parser: ToolCallParser | None = None) -> ToolCalling | None:
@@ -117,12 +136,13 @@ def tool_calling(body: dict, parser: ToolCallParser | None = None) -> ToolCallin
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
         if not parallel:
             schema["maxItems"] = 1
-        return ToolCalling(tools, "required", schema=schema)
+        return ToolCalling(tools, "required", schema=schema, functions=tuple(functions))
     name = _named(choice)
     if name not in functions:
         raise APIError(f"'tool_choice' names the function '{name}', which 'tools' does not "
                        f"have (it has {sorted(functions)})", param="tool_choice")
-    return ToolCalling(tools, "named", name=name, schema=functions[name]["parameters"])
+    return ToolCalling(tools, "named", name=name, schema=functions[name]["parameters"],
+                       functions=(name,))
 
 
 def checked_tools(body: dict) -> tuple[list[dict] | None, dict[str, dict]]:
