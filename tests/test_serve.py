@@ -266,22 +266,45 @@ def test_openai_client_tool_calls_parse_and_match_their_function(openai_client, 
     assert answer.choices[0].message.content and answer.choices[0].finish_reason == "length"
 
 
-def test_a_tool_call_stream_joins_to_the_full_reply(app_client):
+def _joined_calls(deltas: list[dict]) -> list[dict]:
+    """The calls a client accumulates from a stream's deltas: by index, the header's id, type
+    and name, the arguments' fragments joined."""
+    calls = {}
+    for delta in deltas:
+        for call in delta["delta"].get("tool_calls", []):
+            joined = calls.setdefault(call["index"], {"function": {"arguments": ""}})
+            joined |= {key: call[key] for key in ("id", "type") if key in call}
+            joined["function"] |= {"name": call["function"]["name"]} if "name" in call[
+                "function"] else {}
+            joined["function"]["arguments"] += call["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[index] for index in range(len(calls))]
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "add"}},
+                                    "required"])
+def test_a_tool_call_stream_joins_to_the_full_reply(app_client, choice):
     body = {"messages": [{"role": "user", "content": "Add?"}], "tools": TOOLS, "max_tokens": 40,
-            "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "add"}}}
+            "temperature": 0, "tool_choice": choice, "parallel_tool_calls": False}
     full = app_client.post("/v1/chat/completions", json=body).json()["choices"][0]
     with app_client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         deltas = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
-    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
-    assert [call["index"] for call in calls] == [0]
-    assert calls[0]["function"] == full["message"]["tool_calls"][0]["function"]
+    calls = _joined_calls(deltas)
+    assert [call["function"] for call in calls] == [
+        call["function"] for call in full["message"]["tool_calls"]]
+    assert all(call["id"].startswith("call_") and call["type"] == "function" for call in calls)
+    fragments = [d for d in deltas[:-1] for call in d["delta"].get("tool_calls", [])
+                 if "id" not in call and call["function"]["arguments"]]
+    assert fragments, "the arguments stream before the last chunk"
     assert not any(d["delta"].get("content") for d in deltas)
-    assert deltas[-1]["finish_reason"] == full["finish_reason"] == "stop"
-    cut = app_client.post("/v1/chat/completions", json={**body, "max_tokens": 3}).json()
-    message = cut["choices"][0]["message"]    # cut short: no call, the text as it came
-    assert "tool_calls" not in message and message["content"].startswith("{")
-    assert cut["choices"][0]["finish_reason"] == "length"
+    assert deltas[-1]["finish_reason"] == full["finish_reason"] == (
+        "stop" if isinstance(choice, dict) else "tool_calls")
+    if isinstance(choice, dict):
+        cut = app_client.post("/v1/chat/completions", json={**body, "max_tokens": 3}).json()
+        message = cut["choices"][0]["message"]    # cut short: no call, the text as it came
+        assert "tool_calls" not in message and message["content"].startswith("{")
+        assert cut["choices"][0]["finish_reason"] == "length"
 
 
 # The tiny model writes no tool calls of its own: a regex makes it write two Hermes-style ones.
@@ -303,18 +326,24 @@ def test_openai_client_auto_finds_the_calls_in_the_text_and_streams_them(openai_
     assert (add.function.name, now.function.name) == ("add", "now")
     assert 1 <= json.loads(add.function.arguments)["a"] <= 9
     assert json.loads(now.function.arguments) == {}
-    content, calls, finish_reasons = "", [], []
+    content, calls, finish_reasons = "", {}, []
     for chunk in openai_client.chat.completions.create(**common, tool_choice="auto",
                                                        stream=True, extra_body=regex):
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        calls += delta.tool_calls or []
+        for call in delta.tool_calls or []:     # as clients accumulate: by index
+            if call.index not in calls:
+                assert call.id.startswith("call_") and call.function.arguments == ""
+                calls[call.index] = [call.function.name, "", len(finish_reasons)]
+            else:
+                assert call.id is None and call.function.name is None
+            calls[call.index][1] += call.function.arguments
         finish_reasons.append(chunk.choices[0].finish_reason)
     assert content == "Sure." and finish_reasons[-1] == "tool_calls"
     assert set(finish_reasons[:-1]) == {None}
-    assert [call.index for call in calls] == [0, 1]
-    assert [(call.function.name, call.function.arguments) for call in calls] == [
-        (add.function.name, add.function.arguments), (now.function.name, now.function.arguments)]
+    assert [name_arguments[:2] for _, name_arguments in sorted(calls.items())] == [
+        [add.function.name, add.function.arguments], [now.function.name, now.function.arguments]]
+    assert calls[0][2] < calls[1][2] < len(finish_reasons) - 1    # each sent as it was written
     unknown = r'<tool_call>\n\{"name": "sub", "arguments": \{\}\}\n</tool_call>'
     kept = openai_client.chat.completions.create(
         **common, extra_body={"structured_outputs": {"regex": unknown}}).choices[0]
