@@ -226,12 +226,13 @@ class ReplyBuilder:
 
     def _last_deltas(self, index: int, text: str,
                      finish_reason: str) -> tuple[list[dict], str | None]:
-        """A tool-using chat choice's last deltas and its finish_reason (the full reply's): the full reply's content beyond what was sent,
-        the rest of each call sent, and the calls not sent yet, whole. Where the calls sent are
-        not the start of the full reply's (a reply cut short, finish_reason "length", or a call
-        whose JSON broke after its header was sent), the last text streams as any other (the
-        calls' fragments it adds) and nothing more is sent: the stream keeps what it has, as
-        vLLM's does, and the full reply keeps that text as content."""
+        """A tool-using chat choice's last deltas and its finish_reason (the full reply's):
+        the full reply's content beyond what was sent, the rest of each call sent, and the calls
+        not sent yet (header, then arguments). Where the calls sent are not the start of the full
+        reply's (a reply cut short, finish_reason "length", or a call whose JSON broke after its
+        header was sent), the last text streams as any other (the calls' fragments it adds) and
+        nothing more is sent: the stream keeps what it has, as vLLM's does, and the full reply
+        keeps that text as content."""
         message, finish_reason = self._chat_message(text, finish_reason)
         calls, sent = message.get("tool_calls", []), self._calls_sent.get(index, [])
         if len(calls) < len(sent) or any(

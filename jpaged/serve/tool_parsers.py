@@ -19,8 +19,12 @@ opening with "{" the same way).
 A call becomes one of `message.tool_calls` only if its JSON parses, it names a function of the
 request's `tools` and its arguments are an object; anything else stays in the content as the
 model wrote it. The content is the text outside the calls (None when only whitespace is left).
-A stream sends the text before the first call marker as it comes (`streamable`) and the rest
-when the reply ends, so the streamed content is always a prefix of the full reply's.
+Hermes calls' arguments are the text the model wrote; llama3_json's and mistral's are
+re-serialised (json.dumps of the parsed value). A stream sends the text before the first call
+marker as it comes (`streamable`), so the streamed content is always a prefix of the full
+reply's, and the rest of the content when the reply ends; a parser with `calls_so_far` (hermes)
+has its calls streamed as they are written (`tools_api.py`), the others' are sent when the reply
+ends.
 """
 
 import dataclasses

@@ -18,7 +18,21 @@ The reply carries `message.tool_calls` ([{"id", "type": "function", "function": 
 "arguments"}}], arguments a JSON string) and `content`: null when forced, the text outside the
 calls with "auto"; finish_reason "tool_calls" for "auto" (when it called) and "required", and
 "stop" for a named function (OpenAI's and vLLM's). A reply cut short (finish_reason "length")
-has no complete call: its text stays in `content`.
+has no complete call: its text stays in `content`. A call's `arguments` is the arguments' JSON
+as the model wrote it (its exact span; llama3_json and mistral: re-serialised), so that a
+stream can send it as it comes (`tool_stream.py` says why).
+
+A stream sends each call as OpenAI does: a header ({"index", "id", "type": "function",
+"function": {"name", "arguments": ""}}) once the name is one of the functions and the arguments
+have opened as an object, then {"index", "function": {"arguments": FRAGMENT}} as the model
+writes them (named, required, and "auto" with the hermes parser; llama3_json's and mistral's
+calls go out when the reply ends). The joined fragments are the full reply's `arguments`, and a
+call's closing brace waits until the call is whole. Where the calls a stream has sent turn out
+not to be the full reply's, it keeps what it sent and sends nothing more but the finish_reason
+(the full reply's): a reply cut short ("length") after a call's header has streamed the call as
+far as it got (vLLM's behaviour), while the full reply has no calls and its text in `content`;
+likewise a Hermes call whose JSON breaks after its header (the full reply keeps that text as
+content). Every reply whose calls complete streams exactly the full reply.
 """
 
 import dataclasses
