@@ -109,10 +109,12 @@ class ToolCallParser:
 def _arguments_text(arguments: dict, raw: str | None, functions: Collection[str]) -> str:
     """A call's arguments as the model wrote them in `raw` (its JSON object's text), as a stream
     sends them; json.dumps of the parsed value where the parser keeps no raw text."""
-    if raw is not None:
-        call = object_call(raw, skip_space(raw, 0), ARGUMENT_KEYS, functions)
-        if call is not None and call.is_complete:
-            return call.arguments
+    try:
+        call = raw and object_call(raw, skip_space(raw, 0), ARGUMENT_KEYS, functions)
+    except ValueError:   # JSON the parser read but the scanner did not: the parsed value
+        call = None
+    if call and call.is_complete:
+        return call.arguments
     return json.dumps(arguments, ensure_ascii=False)
 
 
