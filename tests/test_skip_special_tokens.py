@@ -138,9 +138,13 @@ def _auto(client, stream=False, **extra) -> tuple[str | None, list, str]:
               if line.startswith("data: {")]
     deltas = [choices[0] for choices in deltas if choices]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
-    calls = [(call["function"]["name"], call["function"]["arguments"])
-             for d in deltas for call in d["delta"].get("tool_calls", [])]
-    return content, calls, deltas[-1]["finish_reason"]
+    calls = {}      # by index: a call's header names it, its fragments join
+    for d in deltas:
+        for call in d["delta"].get("tool_calls", []):
+            name, arguments = calls.get(call["index"], (None, ""))
+            calls[call["index"]] = (call["function"].get("name", name),
+                                    arguments + call["function"]["arguments"])
+    return content, [calls[index] for index in sorted(calls)], deltas[-1]["finish_reason"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
