@@ -22,6 +22,10 @@ def engine(path, k, **options):
 
 
 def assert_mirror_matches_device(engine):
+    """With no decode loop in flight, the device allocator equals the mirror once the block
+    operations the ledger queued (they land before the next program) are applied."""
+    assert engine.pipeline.in_flight is None
+    engine.apply_block_ops()
     state = jax.device_get(engine.executor.manager)
     mirror = engine.ledger.mirror
     assert int(state.num_free) == mirror.num_free
@@ -74,7 +78,7 @@ def test_outputs_identical_for_k_1_4_16_and_batch_mixes(hf_checkpoints):
 def test_device_state_after_loops_equals_single_steps(hf_checkpoints):
     """Mid-run, after loops that crossed block boundaries and retired sequences on the device,
     the device manager equals the host mirror, which replays them one iteration at a time."""
-    eng = engine(hf_checkpoints["llama_gqa"], 8)
+    eng = engine(hf_checkpoints["llama_gqa"], 8, async_scheduling=False)
     prompts, params = requests(seed=1)
     for index, (prompt, param) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{index}", prompt_token_ids=prompt, params=param)
@@ -486,3 +490,56 @@ def test_event_replay_equals_iteration_replay(seed):
         assert states[0] == states[1]
         template = ledger
         mirror = ledger.mirror
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_async_loops_keep_the_mirror_exact_through_evictions_stops_and_aborts(hf_checkpoints,
+                                                                            seed):
+    """Async loops in a pool too small for the work, with the prefix cache on: prompts sharing
+    prefixes (cached blocks evicted behind loops), rows retired inside loops, stop ids and
+    aborts landing while loops are in flight. Whenever no loop is in flight the device
+    allocator equals the mirror (every operation queued behind a loop had its mirror half
+    applied in the device's order), outputs of the requests not aborted are those of a
+    synchronous engine, and nothing leaks."""
+    rng = np.random.default_rng(seed)
+    path = hf_checkpoints["llama_gqa"]
+    shared = prompts_of([32], seed=20 + seed)[0]
+    prompts = [shared[:int(rng.integers(16, 33))] + prompt
+               for prompt in prompts_of([int(n) for n in rng.integers(2, 12, 14)], seed=seed)]
+    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(4, 40)), ignore_eos=True,
+                             stop_token_ids=[int(rng.integers(5, 300))]) for _ in prompts]
+    options = dict(num_kv_blocks=24, max_model_len=128, max_num_seqs=6,
+                   max_num_batched_tokens=64, num_scheduler_steps=2)
+    sync = LLM(path, async_scheduling=False, **options)
+    expected = sync.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    eng = engine(path, 2, async_scheduling=True, async_depth=2,
+                 **(options | dict(num_scheduler_steps=2)))
+    queued = collections.Counter()   # operations queued behind loops, by kind
+    queue = eng.ledger._queue_behind_loop
+    eng.ledger._queue_behind_loop = lambda op, **kw: (queued.update([type(op).__name__]),
+                                                      queue(op, **kw))[1]
+    for index, (prompt, param) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{index}", prompt_token_ids=prompt, params=param)
+    aborted, outputs, steps, chained = set(), {}, 0, 0
+    while eng.has_unfinished():
+        for output in eng.step():
+            if output.finished:
+                outputs[output.request_id] = output
+        steps += 1
+        chained = max(chained, len(eng.pipeline.loops))
+        if steps % 7 == 3 and eng.pipeline.loops:   # an abort while loops are in flight
+            running = [r.request_id for r in eng.scheduler.running
+                       if r.request_id not in outputs]
+            if running and eng.abort(running[-1]):
+                aborted.add(running[-1])
+        if not eng.pipeline.loops:
+            assert_mirror_matches_device(eng)
+    assert chained == 2 and aborted
+    for index, want in enumerate(expected):
+        if f"r{index}" not in aborted:
+            assert outputs[f"r{index}"].outputs[0].token_ids == want.outputs[0].token_ids, index
+    assert queued["Free"] and queued["Release"], queued   # frees and evictions interleaved
+    assert_mirror_matches_device(eng)
+    eng.ledger.evict_all()
+    eng.apply_block_ops()
+    assert eng.num_free_blocks == options["num_kv_blocks"] - 1

@@ -49,10 +49,11 @@ def kept(hf_checkpoints):
 
 @pytest.mark.parametrize("options", [
     {},
+    dict(async_scheduling=False),
     dict(enable_prefix_caching=True, num_scheduler_steps=4),
     dict(num_kv_blocks=40, preemption_mode="recompute"),
     dict(num_kv_blocks=40, preemption_mode="swap", enable_prefix_caching=True),
-], ids=["plain", "prefix-cache+loops", "recompute", "swap+prefix-cache"])
+], ids=["plain", "sync", "prefix-cache+loops", "recompute", "swap+prefix-cache"])
 def test_blocks_behind_the_window_go_back_and_outputs_do_not_change(hf_checkpoints, kept,
                                                                     options):
     tokens, most_held, stats = run(hf_checkpoints["mistral_window"], **options)

@@ -10,12 +10,16 @@ device decode loop did to the device allocator on its own.
 
 Pipelined decode loops are the one place where mirror and device part in time: an operation
 dispatched while loops are in flight lands on the device after the newest of them, so its mirror
-half waits until that loop is replayed (`defer_free` / `free_after_loop`, `evict_behind_loop` /
-`release_after_loop`).
+half waits until that loop is replayed. The methods that queue such an operation (`defer_free`,
+`room_behind_loop`, `invalidate_prefix_cache`, `trim_window` with `behind_loop`) return its
+mirror half, which the caller runs, in the order the operations were queued, once the newest loop
+is replayed. Decode loops never free blocks themselves (a retired row keeps its blocks until the
+host frees it), so a retain queued behind loops always finds its block still held.
 """
 
 import itertools
 import weakref
+from collections.abc import Callable
 
 from jpaged.blocks.mirror import HostBlockMirror
 from jpaged.blocks.ops import (Adopt, Append, BlockOp, Copy, Fork, Free, Pop, Release, Retain,
@@ -120,12 +124,17 @@ class BlockLedger:
         if rows:
             self._ops.append(Append(tuple(rows)))
 
-    def trim_window(self, sequences: list[Sequence], window: int):
+    def trim_window(self, sequences: list[Sequence], window: int, *,
+                    behind_loop: bool = False) -> Callable[[], None] | None:
         """For a model whose every layer slides a `window`: let go of the blocks no future
         query of these sequences can see. The next token to compute sits at num_computed and
         sees positions above num_computed - window, so a block is dead once its last position
         is at most num_computed - window. With the prefix cache on, only blocks it has been
-        offered are let go (an entry it has not seen must not turn into the sink first)."""
+        offered are let go (an entry it has not seen must not turn into the sink first).
+
+        behind_loop: decode loops are in flight (num_computed counts the replayed ones; the
+        loops in flight only write later positions and never read a dead block): the trim is
+        queued and its mirror half returned (None if nothing was trimmed)."""
         rows = []
         for seq in sequences:
             dead = max(0, (seq.num_computed - window + 1) // self.block_size)
@@ -135,8 +144,12 @@ class BlockLedger:
                 rows.append((seq.slot, dead))
                 self.num_trimmed_blocks += dead - seq.num_trimmed
                 seq.num_trimmed = dead
-        if rows:
-            self._released(self._do(Trim(tuple(rows))))
+        if not rows:
+            return None
+        if behind_loop:
+            return self._queue_behind_loop(Trim(tuple(rows)))
+        self._released(self._do(Trim(tuple(rows))))
+        return None
 
     # ---- frees and forks --------------------------------------------------------------------
     def release(self, sequences: list[Sequence], *, index: bool = True):
@@ -175,24 +188,34 @@ class BlockLedger:
             pairs.append((parent.slot, child.slot))
         self.fork(pairs)
 
-    # ---- sequences still live in decode loops in flight -------------------------------------
-    def defer_free(self, sequences: list[Sequence]):
-        """Queue the device free of sequences live in loops in flight (it lands after the newest
-        of them); the mirror half is `free_after_loop`, once that loop is replayed."""
-        slots = [seq.slot for seq in sequences if seq.slot >= 0]
-        if slots:
-            self._ops.append(Free(tuple(slots)))
+    # ---- operations behind decode loops in flight --------------------------------------------
+    def _queue_behind_loop(self, op: BlockOp, *, released: bool = True) -> Callable[[], None]:
+        """Queue op for the device now (it lands after the newest decode loop in flight) and
+        return its mirror half, to run once that loop is replayed. released: tell the prefix
+        cache which blocks lost a reference (not for its own releases)."""
+        self._ops.append(op)
 
-    def free_after_loop(self, sequences: list[Sequence]):
-        """The mirror half of a `defer_free`, and the slots."""
-        slots = [seq.slot for seq in sequences if seq.slot >= 0]
-        if slots:
-            self._released(Free(tuple(slots)).apply(self._mirror))
-        self.release_freed(sequences)
+        def mirror_half():
+            touched = op.apply(self._mirror)
+            if released:
+                self._released(touched)
+        return mirror_half
 
-    def release_freed(self, sequences: list[Sequence]):
-        """Sequences whose blocks are already free on both sides (a decode loop retired them
-        and its replay freed them in the mirror): slots only."""
+    def defer_free(self, sequences: list[Sequence]) -> Callable[[], None]:
+        """Free sequences that loops in flight may still hold: the device free is queued now
+        (it lands after the newest of them); returns the mirror half, which also gives their
+        slots back."""
+        slots = tuple(seq.slot for seq in sequences if seq.slot >= 0)
+        free = self._queue_behind_loop(Free(slots)) if slots else None
+
+        def mirror_half():
+            if free is not None:
+                free()
+            self._release_slots(sequences)
+        return mirror_half
+
+    def _release_slots(self, sequences: list[Sequence]):
+        """Sequences whose blocks are already free on both sides: slots only."""
         for seq in sequences:
             if seq.slot >= 0:
                 self._free_slots.append(seq.slot)
@@ -202,14 +225,17 @@ class BlockLedger:
     # ---- prefix cache -----------------------------------------------------------------------
     def index(self, sequences):
         """Offer sequences' full, computed blocks to the prefix cache, which retains the ones it
-        indexes. Only where the mirror is in step with the device for these sequences (no
-        decode loop in flight holds them)."""
+        indexes. The mirror must hold these blocks as the device will when the retain lands:
+        a block full as of the last replayed loop never changes, and a sequence live in loops
+        in flight keeps its blocks until its free, queued after this retain (loops never free
+        a sequence's blocks themselves). Blocks past the sequence's kept tokens (tokens of
+        loops in flight that a finish on the host dropped) are not offered."""
         cache = self.prefix_cache
         if cache is None:
             return
         size, retained = self.block_size, []
         for seq in sequences:
-            full = seq.num_computed // size
+            full = min(seq.num_computed, len(seq.token_ids)) // size
             if seq.slot < 0 or seq.num_indexed >= full or seq in self._stale:
                 continue
             table = self._mirror.tables[seq.slot]
@@ -239,41 +265,26 @@ class BlockLedger:
         """Return every cached block nobody holds to the free stack."""
         self.evict(self.num_evictable())
 
-    def invalidate_prefix_cache(self, live: list[Sequence], *, behind_loop: bool) -> list[int]:
+    def invalidate_prefix_cache(self, live: list[Sequence], *,
+                                behind_loop: bool) -> Callable[[], None] | None:
         """The KV cached so far came from other weights: unindex every cached block (held ones
         too, so no new request adopts them) and release the cache's reference on each, and never
         index the `live` sequences' blocks (what they computed so far is stale too; a sequence
         that gives up its blocks, e.g. to be recomputed, is indexable again).
 
-        behind_loop: decode loops are in flight; the device release lands after them, and the
-        caller applies the returned blocks to the mirror with `release_after_loop` once the
-        newest is replayed. Otherwise the mirror is updated now and [] is returned."""
+        behind_loop: decode loops are in flight; the device release lands after them, and its
+        mirror half is returned. Otherwise the mirror is updated now; None is returned then and
+        when there was nothing to release."""
         self._stale.update(live)
         if self.prefix_cache is None:
-            return []
+            return None
         dropped = tuple(self.prefix_cache.clear())
         if not dropped:
-            return []
-        if behind_loop:
-            self._ops.append(Release(dropped))
-            return list(dropped)
-        self._do(Release(dropped))
-        return []
-
-    def evict_behind_loop(self, count: int) -> list[int] | None:
-        """Evict `count` cached blocks while a decode loop is in flight: the device release is
-        queued now (it lands after that loop), and the caller applies the returned blocks to the
-        mirror with `release_after_loop` after replaying the loop, keeping the free stacks in
-        the same order. None (nothing evicted) if the cache cannot."""
-        if self.num_evictable() < count:
             return None
-        dropped = self.prefix_cache.evict(count, ())
-        self._ops.append(Release(tuple(dropped)))
-        return dropped
-
-    def release_after_loop(self, blocks: list[int]):
-        if blocks:
-            Release(tuple(blocks)).apply(self._mirror)
+        if behind_loop:
+            return self._queue_behind_loop(Release(dropped), released=False)
+        self._do(Release(dropped))
+        return None
 
     def lookup(self, sequences: list[Sequence]) -> list[list[int]]:
         """Cached leading blocks per sequence (at least one token is left to compute)."""
@@ -307,21 +318,28 @@ class BlockLedger:
         if deficit > 0:
             self.evict(min(deficit, self.num_evictable()))
 
-    def room_behind_loop(self, sequences: list[Sequence], num_tokens: int) -> list[int] | None:
-        """While a loop is in flight (its tokens not yet in the mirror): make the free stack able
-        to serve num_tokens more tokens per sequence, counted from the mirror, by evicting cached
-        blocks behind the loop. Returns the evicted blocks, which the mirror must release after
-        replaying the in-flight loop ([] if none were needed), or None if there is no room."""
+    def room_behind_loop(self, sequences: list[Sequence],
+                         num_tokens: int) -> Callable[[], None] | None:
+        """While loops are in flight (their tokens not yet in the mirror): make the free stack
+        able to serve num_tokens more tokens per sequence, counted from the mirror, by evicting
+        cached blocks behind the loops (the device release queued now). Returns the mirror
+        half (a no-op if nothing had to be evicted), or None if the cache cannot make the room
+        (nothing evicted)."""
         deficit = (self._mirror.blocks_for_tokens([seq.slot for seq in sequences], num_tokens)
                    - self._mirror.num_free)
-        return [] if deficit <= 0 else self.evict_behind_loop(deficit)
+        if deficit <= 0:
+            return lambda: None
+        if self.num_evictable() < deficit:
+            return None
+        return self._queue_behind_loop(Release(tuple(self.prefix_cache.evict(deficit, ()))),
+                                       released=False)
 
     def replay_decode_loop(self, slots: list[int], active: list[bool], done_at: list[int],
                            num_done: int, first_planned: bool):
         """Repeat on the mirror what a device decode loop did to the allocator: iteration i
-        appends one token to every row live at i, then frees the rows that finished at i. When
-        `first_planned`, `append` already planned iteration 0. The device did these frees
-        itself: nothing is queued."""
+        appends one token to every row live at i (a row that finished at i appended at i and
+        keeps its blocks: the host frees them). When `first_planned`, `append` already planned
+        iteration 0."""
         first = int(first_planned)  # the first iteration still to replay
         mirror, size = self._mirror, self.block_size
         if not first_planned and any(
@@ -329,31 +347,20 @@ class BlockLedger:
                 and mirror.refcounts[mirror.tables[slot][-1]] > 1
                 for slot, live in zip(slots, active)):
             return self._replay_by_iteration(slots, active, done_at, num_done, first)
-        # Only block-boundary crossings and retirements change the free stack, so replay those
-        # events in the device's order (iteration, then appends before frees, then batch
-        # order) instead of every token: O(events), not O(rows x iterations).
+        # Only block-boundary crossings change the free stack, so replay those in the device's
+        # order (iteration, then batch order) instead of every token: O(events), not
+        # O(rows x iterations).
         events, grown = [], []
         for index, (slot, live, done) in enumerate(zip(slots, active, done_at)):
             if not live:
                 continue
             last = done if done >= 0 else num_done - 1   # the last iteration it appended at
             # iteration i appends the token at position seq_len + i - first
-            events += [(step, 0, index) for step in
+            events += [(step, index) for step in
                        range(first + (-mirror.seq_lens[slot]) % size, last + 1, size)]
-            if done >= 0:
-                events.append((done, 1, index))
-            else:
-                grown.append((slot, last + 1 - first))
-        events.sort()
-        retired = []
-        for position, (step, is_free, index) in enumerate(events):
-            if is_free:
-                retired.append(slots[index])
-                if position + 1 == len(events) or events[position + 1][:2] != (step, 1):
-                    self._released(mirror.free(retired))   # one iteration's frees together
-                    retired = []
-            else:
-                mirror.add_block(slots[index])
+            grown.append((slot, last + 1 - first))
+        for _, index in sorted(events):
+            mirror.add_block(slots[index])
         for slot, count in grown:
             mirror.seq_lens[slot] += count
 
@@ -365,10 +372,6 @@ class BlockLedger:
                     (slot, 1) for slot, live, done in zip(slots, active, done_at)
                     if live and (done < 0 or done >= step)])
                 assert ok, "device decode loop appended what the mirror cannot"
-            retired = [slot for slot, live, done in zip(slots, active, done_at)
-                       if live and done == step]
-            if retired:
-                self._released(self._mirror.free(retired))
 
     # ---- swap -------------------------------------------------------------------------------
     def distinct_blocks(self, sequences) -> list[int]:

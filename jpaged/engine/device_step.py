@@ -76,9 +76,10 @@ class DecodeResult:
     """What a multi-step decode hands back in one transfer.
 
     token_ids, logprobs: [K, B]; top_ids, top_logprobs: [K, B, L]: iteration i's samples.
-    done_at: [B] int32, the iteration at which a row finished on the device (its blocks are
-    already free), -1 if it did not. num_done: [] int32 iterations run. out_of_blocks: [] int32,
-    1 if the loop stopped early because the pool could not serve the next iteration.
+    done_at: [B] int32, the iteration at which a row finished on the device (it still holds its
+    blocks: the host frees them), -1 if it did not. num_done: [] int32 iterations run.
+    out_of_blocks: [] int32, 1 if the loop stopped early because the pool could not serve the
+    next iteration.
     missed_copies: [] int32, copies-on-write the host did not plan: programs copy no block
     contents (the scheduler queues a "copy" operation for the copies it plans, which only a
     launch's first iteration can need: after a row's first append its last block is its own);
@@ -275,7 +276,10 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
     block when a row crosses a block boundary; a shared last block is replaced by the
     already-copied one, see `missed_copies`), runs
     the model, samples, and retires rows that produced a stop id or used up their `remaining`
-    tokens or max_model_len: their blocks are freed inside the loop.
+    tokens or max_model_len. A retired row keeps its blocks: the host frees them after it has
+    offered their full blocks to the prefix cache (a block freed inside the loop could be taken
+    by another row before the cache's reference lands, and with async scheduling that reference
+    lands only after the loops in flight).
 
     matchers (static): a `structured_outputs.LoopMatchers` when rows are constrained by a
     structured output, else None. Then each iteration samples under the masks in its carry
@@ -288,11 +292,10 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
     masks took 0.5 ms (benchmarks/results/structured_h200.md). Iterations stop counting
     when inputs.num_steps are done, every row has finished, or the pool cannot serve the next
     iteration (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is
-    exactly (append live rows, free rows done at i), which `HostBlockMirror` repeats.
+    exactly (append the rows live at i), which `HostBlockMirror` repeats.
 
     The loop has a static trip count (max_steps) and no data-dependent branch: an iteration past
-    the stop appends, writes and frees nothing, frees run unconditionally (with nothing to do
-    they touch only the sink block), and the sampler's path (`sampler`, one
+    the stop appends and writes nothing, and the sampler's path (`sampler`, one
     of SAMPLER_MODES) is chosen on the host. On a GPU a `while_loop` predicate or a
     `cond` copies a flag to the host and waits for the device, once per iteration; without them
     the dispatching thread enqueues the whole loop and returns (async scheduling overlaps it).
@@ -344,7 +347,6 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
             is_stop = is_stop | (is_complete != 0)
         finished = live & (is_stop | (step + 1 >= inputs.remaining)
                            | (context_lens + 1 >= max_model_len))
-        manager = allocator.free_seqs(manager, jnp.where(finished, inputs.seq_ids, -1))
         outputs = tuple(buffer.at[step].set(value) for buffer, value in zip(
             outputs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
         return (manager, cache, jnp.where(live, out.token_ids, tokens), active & ~finished,

@@ -197,13 +197,13 @@ class LLMEngine:
         step raises fails. Anything else (scheduling, a failure on the device) is raised.
         """
         start = time.perf_counter()
-        device_freed, failed, scored = [], [], []
+        retired, failed, scored = [], [], []
         if self.pipeline.loops:   # decode loops in flight: chain more behind them, fetch one
             rows = self.pipeline.in_flight.rows
             chain = self._loops_to_chain()
             if chain and not self.pipeline.make_room(chain):
                 chain = 0
-            results, device_freed = self.pipeline.advance(chain=chain)
+            results, retired = self.pipeline.advance(chain=chain)
             is_decode, num_tokens = True, len(rows)
         else:
             schedule = self.scheduler.schedule()
@@ -223,13 +223,15 @@ class LLMEngine:
                 if schedule.is_loop:
                     if self._loops_to_chain():
                         return []  # this loop's tokens come back with the next step
-                    results, device_freed = self.pipeline.advance(chain=0)
+                    results, retired = self.pipeline.advance(chain=0)
         # A loop dispatched in an earlier step (async scheduling) ran while that step's host
         # work went on: only the part of its window inside this step is this step's device time.
         launched, fetched = self.executor.last_device_window
         device_seconds = max(0.0, fetched - max(launched, start))
         outcome = self.output.process(results, scored)
-        self.scheduler.update(outcome, device_freed, self.pipeline.hold_back)
+        self.scheduler.update(outcome, retired, self.pipeline.hold_back)
+        if self.pipeline.loops:
+            self.scheduler.tend_behind_loops(self.pipeline.behind_newest)
         for request in outcome.finished_requests:
             self._requests.pop(request.request_id, None)
         outputs = outcome.outputs + [self._fail(request, err)
@@ -307,8 +309,7 @@ class LLMEngine:
         values = self.executor.new_params(weights)   # every tensor checked here
         live = [seq for request in self._requests.values() for seq in request.sequences]
         if self.pipeline.loops:
-            self.pipeline.newest.releases.extend(
-                self.ledger.invalidate_prefix_cache(live, behind_loop=True))
+            self.pipeline.behind_newest(self.ledger.invalidate_prefix_cache(live, behind_loop=True))
         else:
             self.ledger.invalidate_prefix_cache(live, behind_loop=False)
             self.apply_block_ops()

@@ -3,16 +3,18 @@ next loops already run on the device, each started from its predecessor's device
 Up to `depth` loops stay in flight behind the one being processed, so a slow host step (a
 dispatch, a burst of output processing) leaves the device with queued work instead of idle.
 
-Ordering is what keeps the host mirror exact. Device operations run in dispatch order, so a free
-(or a cached block's release) dispatched while loops are in flight lands after the newest of
-them; the mirror therefore applies it only after replaying that loop (its `frees`, `releases`).
-A sequence finished on the host (a stop string, an abort) while it is still live in loops in
-flight is dropped from the next loop dispatched (`keep`), and its tokens from the loops already
-in flight are discarded.
+Ordering is what keeps the host mirror exact. Device operations run in dispatch order, so a
+block operation dispatched while loops are in flight (a free, a cached block's release, a
+sliding window's trim) lands after the newest of them; the mirror therefore applies it only after
+replaying that loop (its `after` list, in the order the operations were queued). A sequence
+finished on the host (a stop string, an abort) while it is still live in loops in flight is
+dropped from the next loop dispatched (`keep`), and its tokens from the loops already in flight
+are discarded.
 """
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 from jpaged.blocks.ledger import BlockLedger
 from jpaged.engine.batch_arrays import loop_batch
@@ -29,8 +31,8 @@ class InFlight:
     active: list[bool] | None   # rows live when the loop started; known once its parent is fetched
     first_planned: bool         # schedule() already put iteration 0's appends in the mirror
     keep: list[bool]
-    frees: list[Sequence] = dataclasses.field(default_factory=list)   # dispatched after this
-    releases: list[int] = dataclasses.field(default_factory=list)     # loop: mirror after replay
+    # mirror halves of block operations dispatched after this loop, run after its replay
+    after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
 
 class DecodePipeline:
@@ -59,12 +61,17 @@ class DecodePipeline:
     def newest(self) -> InFlight:
         return self.loops[-1]
 
+    def behind_newest(self, mirror_half: Callable[[], None] | None):
+        """The mirror half of a block operation queued now (it lands on the device after the
+        newest loop in flight): run after that loop's replay."""
+        if mirror_half is not None:
+            self.newest.after.append(mirror_half)
+
     def free(self, sequences: list[Sequence]):
         """Free sequences that loops in flight still hold: on the device after the newest of
         them (the free is queued now), in the mirror after that loop's replay."""
         if sequences:
-            self.ledger.defer_free(sequences)
-            self.newest.frees.extend(sequences)
+            self.behind_newest(self.ledger.defer_free(sequences))
 
     def hold_back(self, sequences: list[Sequence]) -> list[Sequence]:
         """Of finished sequences, free those that loops in flight still hold (see `free`) and
@@ -109,13 +116,11 @@ class DecodePipeline:
         """Can the free stack serve the loops in flight and num_loops more, evicting cached
         blocks behind the loops if needed? A loop allocates only from the free stack, so without
         this a pool full of evictable prefix-cache blocks would stop every chained loop early."""
-        released = self.ledger.room_behind_loop(
+        mirror_half = self.ledger.room_behind_loop(
             self.live_sequences(),
             self.tokens_behind() + num_loops * self.newest.launched.static["max_steps"])
-        if released is None:
-            return False
-        self.newest.releases.extend(released)
-        return True
+        self.behind_newest(mirror_half)
+        return mirror_half is not None
 
     def steps_in_flight(self) -> int:
         """Iterations the loops in flight run (tokens each live row may still get from them)."""
@@ -145,7 +150,8 @@ class DecodePipeline:
         dispatch `chain` loops, each continuing the newest in flight, then fetch and replay the
         oldest loop.
 
-        Returns ([(row, sample_index, samples)], sequences the device retired in the loop).
+        Returns ([(row, sample_index, samples)], sequences the device retired in the loop: they
+        still hold their blocks, which the host frees once it has indexed them).
         """
         self.executor.apply(self.ledger.take_ops())
         for _ in range(chain):
@@ -164,11 +170,11 @@ class DecodePipeline:
         self.num_ran_dry += self.ran_dry
         self.ledger.replay_decode_loop([row.seq.slot for row in current.rows], current.active,
                                        done_at, num_done, current.first_planned)
-        self.ledger.free_after_loop(current.frees)
-        self.ledger.release_after_loop(current.releases)
+        for mirror_half in current.after:
+            mirror_half()
         token_ids, logprobs = result.token_ids.T.tolist(), result.logprobs.T.tolist()
         top_ids, top_logprobs = result.top_ids.swapaxes(0, 1), result.top_logprobs.swapaxes(0, 1)
-        results, device_freed = [], []
+        results, retired = [], []
         for b, row in enumerate(current.rows):
             if not current.active[b]:
                 continue
@@ -180,12 +186,12 @@ class DecodePipeline:
                 token_ids[b][:count], logprobs[b][:count], top_ids[b, :count],
                 top_logprobs[b, :count])))
             if done_at[b] >= 0:
-                device_freed.append(row.seq)
+                retired.append(row.seq)
         if self.loops:  # the next loop's live rows: this one's, less retired or dropped rows
             following = self.loops[0]
             following.active = [a and d < 0 and k for a, d, k in
                                 zip(current.active, done_at, following.keep)]
-        return results, device_freed
+        return results, retired
 
     def live_sequences(self) -> list[Sequence]:
         """Sequences the newest loop decodes and the next loop would continue."""

@@ -257,21 +257,32 @@ class Scheduler:
             row.seq.num_computed = row.start
         return self.ledger.take_ops()
 
-    def update(self, outcome, device_freed: list[Sequence], hold_back):
+    def update(self, outcome, retired: list[Sequence], hold_back):
         """The block side of a step's outcome (`jpaged.engine.output.StepOutcome`): siblings
-        fork from their parent (before any free: parents may finish); finished sequences give
-        back their blocks, except those a device decode loop already freed (`device_freed`:
-        slots only) and those loops still in flight hold (`hold_back` frees them after those
-        loops and returns the rest); finished requests leave the running set."""
+        fork from their parent (before any free: parents may finish); finished sequences offer
+        their full blocks to the prefix cache, then give their blocks back, at once or, for
+        those loops still in flight hold, after those loops (`hold_back` frees those and
+        returns the rest); finished requests leave the running set. `retired`: the sequences a
+        device decode loop retired (they must be finished here too)."""
         for request, children in outcome.forks:
             self.ledger.fork_children(request, children)
-        assert all(seq.is_finished for seq in device_freed), \
+        assert all(seq.is_finished for seq in retired), \
             "the device retired a sequence the host thinks is running"
-        freed = {id(seq) for seq in device_freed}
-        self.ledger.release(hold_back([seq for seq in outcome.finished if id(seq) not in freed]))
-        self.ledger.release_freed(device_freed)
+        self.ledger.index(outcome.finished)
+        self.ledger.release(hold_back(outcome.finished))
         for request in outcome.finished_requests:
             self.retire(request)
+
+    def tend_behind_loops(self, behind_newest):
+        """While decode loops are in flight (chained by async scheduling, so `schedule` does not
+        run between them): offer the running sequences' newly full blocks to the prefix cache
+        and let go of blocks behind a sliding window, as `schedule` does before every step. A
+        block full as of the replayed loops never changes; the trim lands after the loops in
+        flight, and its mirror half goes to `behind_newest`."""
+        live = [seq for r in self.running for seq in r.live_sequences]
+        self.ledger.index(live)
+        if self.sliding_window is not None:
+            behind_newest(self.ledger.trim_window(live, self.sliding_window, behind_loop=True))
 
     def _resume_swapped(self, plan: _StepPlan, budget: int) -> list[ScheduledRow] | None:
         """Swap the first swapped request back in if its blocks, the blocks of its rows for this
