@@ -4,9 +4,9 @@ One Llama-family model with random weights (a preset, e.g. llama3-8b, bfloat16),
 both frameworks (transformers' copy is made from jpaged's parameters and checked equal), runs
 the 256-request ShareGPT-like trace (benchmarks/trace.py; all requests at time 0, EOS ignored)
 with the same KV budget: `--budget-seqs` sequences of `--max-model-len` tokens. Backends:
-  jpaged             paged KV, blocks of 16, at each --ks K, synchronous scheduling or
-                     asynchronous (the next loop dispatched before the host processes the
-                     last) or both side by side (--scheduling);
+  jpaged             paged KV, blocks of 16, at each --ks K, asynchronous scheduling (the
+                     engine's default: the next loop dispatched before the host processes
+                     the last) or synchronous or both side by side (--scheduling);
   jpaged contiguous  the same engine and kernels with one block of max_model_len tokens per
                      sequence: each request reserves a whole maximum-length region at
                      admission, the pre-PagedAttention design;
@@ -299,8 +299,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="jpaged vs torch backends on one trace")
     add_trace_arguments(parser)
     parser.add_argument("--contiguous-k", type=int, default=8)
-    parser.add_argument("--scheduling", type=lambda s: s.split(","), default=["sync"],
-                        help="jpaged's runs: sync, async or sync,async (side by side)")
+    parser.add_argument("--scheduling", type=lambda s: s.split(","), default=["async"],
+                        help="jpaged's runs: async (the engine's default), sync or sync,async "
+                             "(side by side)")
     parser.add_argument("--roofline-batches", type=lambda s: [int(x) for x in s.split(",")],
                         default=list(roofline.BATCHES))
     parser.add_argument("--roofline-context", type=int, default=1024)
@@ -345,7 +346,7 @@ def main(argv=None):
         parser.error(f"--scheduling takes sync, async or both, got {','.join(args.scheduling)}")
     runs = [(k, mode) for k in args.ks for mode in args.scheduling]
     for k, mode in runs if "jpaged" in parts_wanted else []:
-        keep = k == 1 and mode == "sync" and "roofline" in parts_wanted
+        keep = k == 1 and mode == args.scheduling[0] and "roofline" in parts_wanted
         engine = parts.run(f"jpaged K={k}" + (" async" if mode == "async" else ""),
                            lambda k=k, mode=mode, keep=keep: run_jpaged(
                                model, trace, prompts, args, block_size=16, num_steps=k,

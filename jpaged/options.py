@@ -175,8 +175,8 @@ OPTIONS: tuple[Option, ...] = (
            "mixture-of-experts models)", boolean),
     Option("num_scheduler_steps", int, 1, "decode steps run on the device per scheduler step "
            "(multi-step decoding); a waiting request joins at once", positive_int),
-    Option("async_scheduling", bool, False, "start the next decode loop while the host processes "
-           "the last one's tokens", boolean),
+    Option("async_scheduling", bool, True, "start the next decode loop while the host processes "
+           "the last one's tokens (off: the host waits for each loop before the next)", boolean),
     Option("async_depth", int, 2, "with async_scheduling, decode loops kept in flight behind the "
            "host", positive_int),
     Option("warmup", bool, None, "compile every bucket shape at start: a first request's "

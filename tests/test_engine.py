@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_in_one_continuous_batch(hf_checkpoints, nam
 
 
 def test_late_arrivals_join_the_next_step_and_blocks_return_at_once(hf_checkpoints):
-    engine = engine_for(hf_checkpoints["llama_gqa"])
+    engine = engine_for(hf_checkpoints["llama_gqa"], async_scheduling=False)
     total_free = engine.num_free_blocks
     engine.add_request("a", prompt_token_ids=prompts_of([20])[0],
                        params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
@@ -414,7 +414,7 @@ def _collaborator_calls(engine, calls_per_step: int = 1) -> list[list[str]]:
 def test_a_step_enters_each_part_once_per_phase(hf_checkpoints):
     """The common path of a step: schedule, run (block operations applied first, inside),
     process outputs, update the scheduler; the engine itself never touches the ledger."""
-    engine = engine_for(hf_checkpoints["llama_gqa"])
+    engine = engine_for(hf_checkpoints["llama_gqa"], async_scheduling=False)
     for index, prompt in enumerate(prompts_of([5, 9, 3])):
         engine.add_request(f"r{index}", prompt_token_ids=prompt, params=GREEDY)
     prefill, decode = _collaborator_calls(engine, 2)

@@ -149,8 +149,10 @@ def test_masked_rows_sample_only_allowed_tokens_and_others_are_unchanged(compile
 
 @pytest.fixture(scope="module")
 def llm():
+    """Synchronous scheduling: the tests below count steps and look at the engine between them
+    (async runs are built where a test wants one)."""
     return LLM(None, block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
-               max_model_len=256, num_scheduler_steps=4)
+               max_model_len=256, num_scheduler_steps=4, async_scheduling=False)
 
 
 def _generate(llm, prompts, params):
@@ -229,7 +231,7 @@ def test_constrained_rows_keep_the_decode_loop(llm, monkeypatch, async_schedulin
                SamplingParams(temperature=0, max_tokens=20, logprobs=1,
                               structured_outputs=Structured(choice=["left", "right"]))]
     stepping = LLM(None, block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
-                   max_model_len=256, num_scheduler_steps=4)
+                   max_model_len=256, num_scheduler_steps=4, async_scheduling=False)
     stepping.engine.scheduler.loops_take_constraints = False
     expected = _generate(stepping, prompts, params)
     looping = llm if not async_scheduling else LLM(
