@@ -77,13 +77,20 @@ def test_parsers_find_calls_and_keep_the_rest_as_content(parser, text, content, 
         (content, calls) if calls else (text, []))
 
 
-def test_hermes_arguments_are_the_text_the_model_wrote_others_are_reserialised():
-    written = '{"a":7, "s": "\\u00e9",  "a": 8}'     # a repeated key: the last one counts
-    hermes = f'<tool_call>{{"name": "add", "arguments": {written}}}</tool_call>'
-    assert PARSERS["hermes"].parse(hermes, FUNCTIONS) == (None, [("add", written)])
-    llama = f'{{"name": "add", "parameters": {written}}}'
-    assert PARSERS["llama3_json"].parse(llama, FUNCTIONS) == (
-        None, [("add", '{"a": 8, "s": "é"}')])
+def test_arguments_are_the_text_the_model_wrote():
+    """Every parser's calls carry their arguments as written (what a stream sends), which
+    parse to the value json.loads gives (a repeated key: the last one counts)."""
+    written = '{"a":7, "s": "\\u00e9",  "a": 8}'
+    replies = {"hermes": f'<tool_call>{{"name": "add", "arguments": {written}}}</tool_call>',
+               "llama3_json": f'{{"name": "add", "parameters": {written}}}; {{"name": "now"}}',
+               "mistral": f'[TOOL_CALLS][{{"arguments": {written}, "name": "add"}}, '
+                          f'{{"name": "now", "arguments": {{ }}}}]'}
+    for parser, reply in replies.items():
+        _, calls = PARSERS[parser].parse(reply, FUNCTIONS)
+        assert calls[0] == ("add", written), parser
+        assert json.loads(calls[0][1]) == {"a": 8, "s": "é"}
+    assert PARSERS["llama3_json"].parse(replies["llama3_json"], FUNCTIONS)[1][1] == ("now", "{}")
+    assert PARSERS["mistral"].parse(replies["mistral"], FUNCTIONS)[1][1] == ("now", "{ }")
 
 
 @pytest.mark.parametrize("name,model_type,template,expected", [

@@ -32,9 +32,19 @@ FORCED = [   # (tools, reply text): the constrained output
                '{"name": "now", "parameters": {}}]'),
     (REQUIRED, '[ {"parameters": {"a": 1}, "name": "add"} ]'),   # name after the arguments
 ]
-# Hermes replies whose stream sends a call's header that the full reply then has not: the JSON
-# broke after the arguments had opened.
-BROKEN = ['<tool_call>\n{"name": "add", "arguments": {"a": 7}\n</tool_call>']
+# Replies whose stream sends a call that the full reply then has not: Hermes JSON that broke after
+# the arguments had opened, JSON a reply leaves unclosed, a mistral list whose later item is not
+# a call (the whole list stays content).
+BROKEN = [   # (parser, reply text, the calls its one-character stream sends)
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 7}\n</tool_call>',
+     [{"name": "add", "arguments": '{"a": 7'}]),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 7}',
+     [{"name": "add", "arguments": '{"a": 7'}]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7}}',
+     [{"name": "add", "arguments": '{"a": 7}'}]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7}}, '
+                '{"name": "sub", "arguments": {}}]', [{"name": "add", "arguments": '{"a": 7}'}]),
+]
 
 
 def _builder(tools: tools_api.ToolCalling, stream: bool) -> ReplyBuilder:
@@ -103,14 +113,12 @@ def test_an_auto_stream_split_anywhere_joins_to_the_full_reply(parser, text, con
         content if calls else text, "tool_calls" if calls else "stop")
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in full["message"].get("tool_calls", [])] == calls
-    if text in BROKEN:
+    if text in {broken for _, broken, _ in BROKEN}:
         return
     _, _, _, timeline, before_last = _check_joins(auto(parser), text)
     assert len(timeline) == len(calls)
-    if parser == "hermes":     # each call streams: its header and arguments come before the end
-        assert all(t["header"] < t["fragments"][0] < before_last for t in timeline)
-    else:                      # llama3_json and mistral: calls sent when the reply ends
-        assert all(t["header"] >= before_last for t in timeline)
+    # each call streams: its header and arguments come before the reply ends
+    assert all(t["header"] < t["fragments"][0] < before_last for t in timeline)
 
 
 @pytest.mark.parametrize("tools,text", FORCED)
@@ -160,13 +168,13 @@ def test_the_closing_brace_waits_for_the_call_to_be_whole():
     assert last[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-@pytest.mark.parametrize("text", BROKEN)
-def test_a_call_that_breaks_after_its_header_ends_the_stream_with_what_it_sent(text):
-    full = _full(auto("hermes"), text)
+@pytest.mark.parametrize("parser,text,streamed", BROKEN)
+def test_a_call_that_breaks_after_its_header_ends_the_stream_with_what_it_sent(parser, text,
+                                                                               streamed):
+    full = _full(auto(parser), text)
     assert full["message"] == {"role": "assistant", "content": text}
-    assert _streamed(auto("hermes"), list(text))[:3] == (
-        None, [{"name": "add", "arguments": '{"a": 7'}], "stop")
-    assert _streamed(auto("hermes"), [text])[:3] == (text, [], "stop")   # one chunk: as full
+    assert _streamed(auto(parser), list(text))[:3] == (None, streamed, "stop")
+    assert _streamed(auto(parser), [text])[:3] == (text, [], "stop")   # one chunk: as full
 
 
 @pytest.mark.parametrize("tools,text,content,arguments", [

@@ -19,12 +19,13 @@ opening with "{" the same way).
 A call becomes one of `message.tool_calls` only if its JSON parses, it names a function of the
 request's `tools` and its arguments are an object; anything else stays in the content as the
 model wrote it. The content is the text outside the calls (None when only whitespace is left).
-Hermes calls' arguments are the text the model wrote; llama3_json's and mistral's are
-re-serialised (json.dumps of the parsed value). A stream sends the text before the first call
-marker as it comes (`streamable`), so the streamed content is always a prefix of the full
-reply's, and the rest of the content when the reply ends; a parser with `calls_so_far` (hermes)
-has its calls streamed as they are written (`tools_api.py`), the others' are sent when the reply
-ends.
+A call's arguments are the text the model wrote (the arguments value's exact span; see
+tool_stream.py). A stream sends the text before the first call marker as it comes
+(`streamable`), so the streamed content is always a prefix of the full reply's, and the rest of
+the content when the reply ends; each parser's `calls_so_far` has its calls streamed as they are
+written (`tools_api.py`): a call's header once its name is whole, then its arguments as they
+come. A call streamed that the full reply then has not (a mistral list whose later item is not a
+call, JSON the reply leaves unclosed) ends the stream with what it sent.
 """
 
 import dataclasses
@@ -32,8 +33,8 @@ import json
 import re
 from collections.abc import Callable, Collection
 
-from jpaged.serve.tool_stream import (ARGUMENT_KEYS, CallText, call_of, object_call,
-                                      skip_space)
+from jpaged.serve.tool_stream import (ARGUMENT_KEYS, CallText, call_of, list_items,
+                                      object_call, skip_space, value_end)
 
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -46,8 +47,8 @@ _SPACE = re.compile(r"\s*")
 @dataclasses.dataclass(frozen=True)
 class Span:
     """Where a possible call is written, text[start:end], the JSON objects it holds (None: its
-    JSON did not parse), and their raw texts where the parser keeps them (the calls' arguments
-    are then the model's own text; otherwise json.dumps of the parsed value)."""
+    JSON did not parse), and their raw texts (the calls' arguments are the model's own text;
+    json.dumps of the parsed value where a raw text is missing)."""
     start: int
     end: int
     objects: list | None
@@ -60,9 +61,9 @@ class ToolCallParser:
     name: str
     markers: tuple[str, ...]          # text that opens a call: a stream holds back from there
     find: Callable[[str], list[Span]]  # the possible calls, in order, not overlapping
+    # the calls written so far, for a stream, the last maybe still being written
+    calls_so_far: Callable[[str, Collection[str]], list[CallText]]
     opens_with: str = ""              # a reply that starts with this ("{", "[") is a call too
-    # the calls written so far, for a stream (None: the calls are sent whole when the reply ends)
-    calls_so_far: Callable[[str, Collection[str]], list[CallText]] | None = None
 
     def parse(self, text: str,
               functions: Collection[str]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -166,14 +167,14 @@ def _llama3_json(text: str) -> list[Span]:
     spans = []
     while True:
         try:
-            value, end = _DECODER.raw_decode(text, _skip_space(text, at))
+            value, end = _DECODER.raw_decode(text, at := _skip_space(text, at))
         except ValueError:
             return spans
-        end = _skip_space(text, end)
+        raw, end = text[at:end], _skip_space(text, end)
         has_more = text.startswith(";", end)
         if has_more:
             end = _skip_space(text, end + 1)
-        spans.append(Span(start, end, [value]))
+        spans.append(Span(start, end, [value], [raw]))
         if not has_more:
             return spans
         start = at = end
@@ -194,10 +195,64 @@ def _mistral(text: str) -> list[Span]:
 def _json_span(text: str, start: int, at: int) -> Span:
     """The JSON value from `at` on: a list's items, or a value as a list of one."""
     try:
-        value, end = _DECODER.raw_decode(text, _skip_space(text, at))
+        value, end = _DECODER.raw_decode(text, at := _skip_space(text, at))
     except ValueError:
         return Span(start, at, None)
-    return Span(start, end, value if isinstance(value, list) else [value])
+    if not isinstance(value, list):
+        return Span(start, end, [value], [text[at:end]])
+    items, _ = list_items(text, at)
+    return Span(start, end, value, [text[first:last] for first, last in items])
+
+
+def _llama3_json_so_far(text: str, functions: Collection[str]) -> list[CallText]:
+    """The llama3_json calls written so far: the objects from <|python_tag|> (or a reply's
+    opening "{") on, separated by ";", up to the first that cannot be a call; the last maybe
+    still being written."""
+    start = text.find(PYTHON_TAG)
+    at = start + len(PYTHON_TAG) if start >= 0 else skip_space(text, 0)
+    if start < 0 and not text.startswith("{", at):
+        return []
+    calls = []
+    while (at := skip_space(text, at)) < len(text):
+        call = object_call(text, at, ARGUMENT_KEYS, functions)
+        if call is None or not call.is_complete:
+            return calls + ([] if call is None else [call])
+        calls.append(call)
+        at = skip_space(text, value_end(text, at))
+        if not text.startswith(";", at):
+            break
+        at += 1
+    return calls
+
+
+def _mistral_so_far(text: str, functions: Collection[str]) -> list[CallText]:
+    """The mistral calls written so far: the items of a list opening the reply or following
+    [TOOL_CALLS] (or the one object after it), up to the first that cannot be a call; the last
+    maybe still being written."""
+    calls, at, search = [], skip_space(text, 0), 0
+    if not text.startswith("[", at) or text.startswith(TOOL_CALLS, at):
+        at = None
+    while True:
+        if at is None:
+            marker = text.find(TOOL_CALLS, search)
+            if marker < 0:
+                return calls
+            at = skip_space(text, marker + len(TOOL_CALLS))
+        if at == len(text):
+            return calls
+        if text[at] == "[":
+            items, end = list_items(text, at)
+        else:
+            end = value_end(text, at)
+            items = [(at, end)]
+        for first, _ in items:
+            call = object_call(text, first, ARGUMENT_KEYS, functions)
+            if call is None or not call.is_complete:
+                return calls + ([] if call is None else [call])
+            calls.append(call)
+        if end is None:
+            return calls
+        search, at = end, None
 
 
 def _skip_space(text: str, at: int) -> int:
@@ -205,9 +260,9 @@ def _skip_space(text: str, at: int) -> int:
 
 
 PARSERS = {parser.name: parser for parser in (
-    ToolCallParser("hermes", ("<tool_call>",), _hermes, calls_so_far=_hermes_so_far),
-    ToolCallParser("llama3_json", (PYTHON_TAG,), _llama3_json, opens_with="{"),
-    ToolCallParser("mistral", (TOOL_CALLS,), _mistral, opens_with="["),
+    ToolCallParser("hermes", ("<tool_call>",), _hermes, _hermes_so_far),
+    ToolCallParser("llama3_json", (PYTHON_TAG,), _llama3_json, _llama3_json_so_far, "{"),
+    ToolCallParser("mistral", (TOOL_CALLS,), _mistral, _mistral_so_far, "["),
 )}
 
 

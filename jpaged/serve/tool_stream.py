@@ -1,6 +1,7 @@
 """Tool calls read from a reply's text while it is still being written: each call's name once
 its string is whole and its arguments' raw text so far, for a named function, "required" and
-Hermes-style replies; and the small JSON scanner that finds them in text that stops anywhere.
+every parser's "auto" replies; and the small JSON scanner that finds them in text that stops
+anywhere.
 
 A stream sends a call's arguments as the model wrote them, and the full reply's `arguments` is
 that same raw text (the arguments value's exact span): a canonical form (`json.dumps` of the

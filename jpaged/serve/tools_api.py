@@ -19,20 +19,19 @@ The reply carries `message.tool_calls` ([{"id", "type": "function", "function": 
 calls with "auto"; finish_reason "tool_calls" for "auto" (when it called) and "required", and
 "stop" for a named function (OpenAI's and vLLM's). A reply cut short (finish_reason "length")
 has no complete call: its text stays in `content`. A call's `arguments` is the arguments' JSON
-as the model wrote it (its exact span; llama3_json and mistral: re-serialised), so that a
+as the model wrote it (its exact span), so that a
 stream can send it as it comes (`tool_stream.py` says why).
 
 A stream sends each call as OpenAI does: a header ({"index", "id", "type": "function",
 "function": {"name", "arguments": ""}}) once the name is one of the functions and the arguments
 have opened as an object, then {"index", "function": {"arguments": FRAGMENT}} as the model
-writes them (named, required, and "auto" with the hermes parser; llama3_json's and mistral's
-calls go out when the reply ends). The joined fragments are the full reply's `arguments`, and a
+writes them (named, required, and "auto" with every parser). The joined fragments are the full reply's `arguments`, and a
 call's closing brace waits until the call is whole. Where the calls a stream has sent turn out
 not to be the full reply's, it keeps what it sent and sends nothing more but the finish_reason
 (the full reply's): a reply cut short ("length") after a call's header has streamed the call as
 far as it got (vLLM's behaviour), while the full reply has no calls and its text in `content`;
-likewise a Hermes call whose JSON breaks after its header (the full reply keeps that text as
-content). Every reply whose calls complete streams exactly the full reply.
+likewise a call whose JSON breaks after its header, JSON left unclosed, or a mistral list
+whose later item is not a call (the full reply keeps that text as content). Every reply whose calls complete streams exactly the full reply.
 """
 
 import dataclasses
@@ -83,22 +82,19 @@ class ToolCalling:
 
     def calls_so_far(self, text: str) -> list[CallText]:
         """The calls a reply's text holds so far, in order, the last maybe still being written:
-        a stream sends each as it comes. None for "auto" with a parser that has no streaming
-        (its calls are sent whole when the reply ends). ValueError: the text can hold no more
-        calls."""
+        a stream sends each as it comes. ValueError: the text can hold no more calls."""
         if self.choice == "named":
             return named_calls(text, self.name)
         if self.choice == "required":
             return required_calls(text, self.functions)
-        if self.choice == "auto" and self.parser.calls_so_far is not None:
+        if self.choice == "auto":
             calls = self.parser.calls_so_far(text, self.functions)
             return calls if self.is_parallel else calls[:1]
         return []
 
     def _found(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
         """(content, [(name, arguments JSON text)]) of a completed reply; the arguments as the
-        model wrote them (forced calls and Hermes), so that a stream can send them as they
-        come."""
+        model wrote them, so that a stream can send them as they come."""
         if self.choice == "auto":
             content, pairs = self.parser.parse(text, self.functions)
             return content, pairs if self.is_parallel else pairs[:1]   # as vLLM does
