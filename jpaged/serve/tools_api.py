@@ -25,13 +25,14 @@ stream can send it as it comes (`tool_stream.py` says why).
 A stream sends each call as OpenAI does: a header ({"index", "id", "type": "function",
 "function": {"name", "arguments": ""}}) once the name is one of the functions and the arguments
 have opened as an object, then {"index", "function": {"arguments": FRAGMENT}} as the model
-writes them (named, required, and "auto" with every parser). The joined fragments are the full reply's `arguments`, and a
-call's closing brace waits until the call is whole. Where the calls a stream has sent turn out
-not to be the full reply's, it keeps what it sent and sends nothing more but the finish_reason
-(the full reply's): a reply cut short ("length") after a call's header has streamed the call as
-far as it got (vLLM's behaviour), while the full reply has no calls and its text in `content`;
-likewise a call whose JSON breaks after its header, JSON left unclosed, or a mistral list
-whose later item is not a call (the full reply keeps that text as content). Every reply whose calls complete streams exactly the full reply.
+writes them (named, required, and "auto" with every parser). The joined fragments are the full
+reply's `arguments`, and a call's closing brace waits until the call is whole. Where the calls a
+stream has sent turn out not to be the full reply's, it keeps what it sent and sends nothing
+more but the finish_reason (the full reply's): a reply cut short ("length") after a call's
+header has streamed the call as far as it got (vLLM's behaviour), while the full reply has no
+calls and its text in `content`; likewise a call whose JSON breaks after its header, JSON left
+unclosed, or a mistral list whose later item is not a call (the full reply keeps that text as
+content). Every reply whose calls complete streams exactly the full reply.
 """
 
 import dataclasses
