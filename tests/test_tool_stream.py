@@ -203,6 +203,30 @@ def test_text_before_a_call_streams_as_it_comes_and_a_half_marker_waits():
     assert last[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_a_long_call_streams_in_fragments_at_a_cost_linear_in_its_length(parser, monkeypatch):
+    """A call whose arguments run to 40,000 characters, streamed 4 characters a chunk: the text
+    is scanned for calls again only after it grew by a 64th, so all the scans together read
+    O(length) characters (each scan reads the whole text), while the arguments still go out in
+    hundreds of fragments before the reply ends, joining to the full reply's."""
+    arguments = {"code": "x = 1\n" * 6000 + "\u00e9"}
+    body = json.dumps({"name": "add", "arguments": arguments})
+    text = {"hermes": f"<tool_call>{body}</tool_call>", "llama3_json": body,
+            "mistral": f"[TOOL_CALLS][{body}]"}[parser]
+    tools, scanned = auto(parser), []
+    scan = tools_api.ToolCalling.calls_so_far
+    monkeypatch.setattr(tools_api.ToolCalling, "calls_so_far", lambda self, so_far: (
+        scanned.append(len(so_far)), scan(self, so_far))[1])
+    pieces = [text[at:at + 4] for at in range(0, len(text), 4)]
+    content, calls, finish_reason, timeline, before_last = _streamed(tools, pieces)
+    full = _full(auto(parser), text)["message"]
+    assert (content, calls, finish_reason) == (
+        None, [c["function"] for c in full["tool_calls"]], "tool_calls")
+    assert json.loads(calls[0]["arguments"]) == arguments
+    assert sum(scanned) < 100 * len(text)          # every chunk scanned: ~len(pieces) / 2 times
+    assert len([f for f in timeline[0]["fragments"] if f < before_last]) > 200
+
+
 def test_parallel_tool_calls_false_streams_the_first_call_only():
     one = tools_api.ToolCalling([], "auto", parser=PARSERS["hermes"], functions=FUNCTIONS,
                                 is_parallel=False)

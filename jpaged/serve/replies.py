@@ -9,6 +9,8 @@ from jpaged.request import RequestOutput
 from jpaged.serve.openai_api import ModelInfo, ParsedRequest
 from jpaged.serve.tools_api import new_call_id
 
+SCAN_GROWTH = 64   # a stream's text is scanned for calls again once it grew by 1/64th
+
 
 def new_id(is_chat: bool) -> str:
     return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
@@ -32,11 +34,13 @@ class ReplyBuilder:
         self._text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         self._finished: set[int] = set()
         # A chat stream with tools, by choice index: the reply's text so far, how much of it was
-        # sent as content, the calls sent ([name, arguments sent]), and whether calls stopped
+        # sent as content, the calls sent ([name, arguments sent]), whether calls stopped, and
+        # the text's length when it was last scanned for calls
         self._texts: dict[int, str] = {}
         self._content_sent: dict[int, int] = {}
         self._calls_sent: dict[int, list[list[str]]] = {}
         self._calls_stopped: set[int] = set()
+        self._calls_scanned: dict[int, int] = {}
 
     def _chat_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the assistant message, the choice's finish_reason): the reply's tool calls, where
@@ -193,15 +197,24 @@ class ReplyBuilder:
         count = tools.streamable(whole[sent:], opens_reply=not sent)
         self._content_sent[index] = sent + count
         content = [{"content": whole[sent:sent + count]}] if count else []
-        return content + self._call_deltas(index, whole), None
+        return content + self._call_deltas(index, whole, is_last=False), None
 
-    def _call_deltas(self, index: int, text: str) -> list[dict]:
+    def _call_deltas(self, index: int, text: str, is_last: bool = True) -> list[dict]:
         """The calls' headers and argument fragments that `text` adds to those sent. Calls stop
         streaming for good where the text turns out not to continue them (a call sent turns
-        out not to be one): the last chunk then decides."""
+        out not to be one): the last chunk then decides.
+
+        A scan reads the whole text, so before the last chunk the text is scanned again only
+        once it has grown by 1/SCAN_GROWTH of its length since the last scan (every chunk while
+        it is short): a long call's arguments then cost O(length) to stream in all, not
+        O(length^2), and go out in fragments of at most that share of the text."""
         sent, deltas = self._calls_sent.setdefault(index, []), []
         if index in self._calls_stopped:
             return deltas
+        scanned = self._calls_scanned.get(index, 0)
+        if not is_last and (len(text) - scanned) * SCAN_GROWTH < len(text):
+            return deltas
+        self._calls_scanned[index] = len(text)
         try:
             calls = self.parsed.tools.calls_so_far(text)
         except ValueError:
