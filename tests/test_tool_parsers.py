@@ -65,6 +65,10 @@ MISTRAL = [
     (' [{"name": "now", "arguments": {}}]', None, [NOW]),     # [TOOL_CALLS] left out (special)
     ("[1, 2] and [TOOL_CALLS]", "[1, 2] and [TOOL_CALLS]", []),
     ('See [the docs](x). [TOOL_CALLS][{"name": "now"}]', "See [the docs](x).", [NOW]),
+    ('[TOOL_CALLS]add[ARGS]{"a": 7}', None, [ADD_7]),          # newer models: name[ARGS]{...}
+    ('Sure.[TOOL_CALLS]add[ARGS]{"a": 7}[TOOL_CALLS]now[ARGS] {}', "Sure.", [ADD_7, NOW]),
+    ('[TOOL_CALLS]sub[ARGS]{"a": 1}', '[TOOL_CALLS]sub[ARGS]{"a": 1}', []),   # unknown function
+    ('[TOOL_CALLS]add[ARGS]"a=1"', '[TOOL_CALLS]add[ARGS]"a=1"', []),         # not an object
 ]
 CASES = ([("hermes", *case) for case in HERMES] + [("llama3_json", *case) for case in LLAMA3_JSON]
          + [("mistral", *case) for case in MISTRAL])

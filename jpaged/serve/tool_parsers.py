@@ -6,7 +6,8 @@
     llama3_json  Llama 3.1+: {"name": ..., "parameters": {...}} ("arguments" too) as the whole
                  reply, or after <|python_tag|>; several separated by ";"
     mistral      [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}}; or that
-                 list as the whole reply
+                 list as the whole reply; or, as newer Mistral models write them,
+                 [TOOL_CALLS]name[ARGS]{...} for each call
 
 <|python_tag|> and [TOOL_CALLS] are special tokens in Llama 3.1's and Mistral's tokenizers, which
 the engine leaves out of the text by default: where a parser's markers are special tokens
@@ -38,6 +39,8 @@ from jpaged.serve.tool_stream import (ARGUMENT_KEYS, CallText, call_of, list_ite
 
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # before [ARGS]
 HERMES_CLOSE = "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # unclosed at the end
 _DECODER = json.JSONDecoder()
@@ -193,7 +196,17 @@ def _mistral(text: str) -> list[Span]:
 
 
 def _json_span(text: str, start: int, at: int) -> Span:
-    """The JSON value from `at` on: a list's items, or a value as a list of one."""
+    """The JSON value from `at` on: a list's items, or a value as a list of one; or a call
+    written as name[ARGS]{...}."""
+    name, args_at = _named_args(text, at)
+    if name is not None:
+        try:
+            value, end = _DECODER.raw_decode(text, args_at)
+        except ValueError:
+            return Span(start, at, None)
+        # the raw text as a call object, so its arguments are read back exactly as written
+        raw = f'{{"name": {json.dumps(name)}, "arguments": {text[args_at:end]}}}'
+        return Span(start, end, [{"name": name, "arguments": value}], [raw])
     try:
         value, end = _DECODER.raw_decode(text, at := _skip_space(text, at))
     except ValueError:
@@ -225,6 +238,16 @@ def _llama3_json_so_far(text: str, functions: Collection[str]) -> list[CallText]
     return calls
 
 
+def _named_args(text: str, at: int) -> tuple[str | None, int]:
+    """(name, where its arguments start) of a call written name[ARGS]{...} at text[at]; (None,
+    at) where the text there is not (or not yet) one."""
+    at = _skip_space(text, at)
+    match = _FUNCTION_NAME.match(text, at)
+    if match is None or not text.startswith(ARGS, match.end()):
+        return None, at
+    return match.group(), _skip_space(text, match.end() + len(ARGS))
+
+
 def _mistral_so_far(text: str, functions: Collection[str]) -> list[CallText]:
     """The mistral calls written so far: the items of a list opening the reply or following
     [TOOL_CALLS] (or the one object after it), up to the first that cannot be a call; the last
@@ -240,6 +263,22 @@ def _mistral_so_far(text: str, functions: Collection[str]) -> list[CallText]:
             at = skip_space(text, marker + len(TOOL_CALLS))
         if at == len(text):
             return calls
+        name, args_at = _named_args(text, at)
+        if name is not None:
+            if name not in functions:
+                return calls
+            if args_at == len(text):
+                return calls + [CallText(name, "", False, False)]
+            if text[args_at] != "{":
+                return calls
+            end = value_end(text, args_at)
+            is_complete = end is not None and isinstance(json.loads(text[args_at:end]), dict)
+            call = CallText(name, text[args_at:end], end is not None, is_complete)
+            if not is_complete:
+                return calls + [call]
+            calls.append(call)
+            search, at = end, None
+            continue
         if text[at] == "[":
             items, end = list_items(text, at)
         else:
