@@ -13,7 +13,7 @@ from jpaged import LLM, SamplingParams
 from jpaged.serve import build_app, model_info
 from jpaged.serve.async_engine import AsyncEngine
 from jpaged.structured_outputs import StructuredOutputsParams
-from jpaged.serve.tool_parsers import PYTHON_TAG, TOOL_CALLS
+from jpaged.serve.tool_syntax import PYTHON_TAG, TOOL_CALLS
 from tests import hf_fixtures
 
 EOS, TAG, CALLS = 1, 2, 3   # token ids: write_tokenizer puts the extra specials at 2, 3
