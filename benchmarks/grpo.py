@@ -19,7 +19,6 @@ import argparse
 import datetime
 import functools
 import importlib.metadata
-import json
 import platform
 import sys
 import time
@@ -154,6 +153,14 @@ def vanilla_class():
     return Vanilla
 
 
+def scheduler_steps(engine: str) -> int:
+    """"jpaged" runs one decode step per scheduler step, "jpaged:K" K steps on the device."""
+    name, _, steps = engine.partition(":")
+    if name != "jpaged" or (steps and not steps.isdigit()):
+        raise ValueError(f"engine {engine!r}: expected jpaged, jpaged:K or vanilla")
+    return int(steps or 1)
+
+
 def run(engine: str, args, tokenizer) -> dict:
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
@@ -166,12 +173,15 @@ def run(engine: str, args, tokenizer) -> dict:
         kv_cache_size=16 + args.max_tokens + 16, temperature=0.9, seed=args.seed,
         return_logprobs=True)
     recorder = Recorder()
-    if engine == "jpaged":
+    if engine.startswith("jpaged"):
         rollout = functools.partial(
             recording(JpagedRollout, recorder, rollout_config, shares_weights=False),
-            dtype=args.dtype, max_num_seqs=len(PROMPTS) * args.generations)
-    else:
+            dtype=args.dtype, max_num_seqs=len(PROMPTS) * args.generations,
+            num_scheduler_steps=scheduler_steps(engine))
+    elif engine == "vanilla":
         rollout = recording(vanilla_class(), recorder, rollout_config, shares_weights=True)
+    else:
+        raise ValueError(f"engine {engine!r}: expected jpaged, jpaged:K or vanilla")
     actor = tunix_model(args, args.seed)
     if args.dtype != "float32":
         state = nnx.state(actor, nnx.Param)
@@ -220,16 +230,41 @@ def summary(results: list[dict]) -> str:
         lines.append(f"| {r['engine']} | {len(r['rollouts'])} | {step:.3f} | {rollout_s:.3f} | "
                      f"{rate:,.0f} | {gap_mean:.1e} / {gap_max:.1e} | "
                      f"{rewards[0]:+.3f} -> {rewards[-1]:+.3f} |")
-    if len(results) == 2:
-        a, b = (_rollout_seconds(r) for r in results)
-        lines.append(f"\nrollout seconds per step, {results[1]['engine']} / "
-                     f"{results[0]['engine']}: {b / a:.2f}x")
+    vanilla = [r for r in results if r["engine"] == "vanilla"]
+    if vanilla:
+        lines.append("")
+        for r in results:
+            if r["engine"] != "vanilla":
+                lines.append(f"rollout seconds per step, vanilla / {r['engine']}: "
+                             f"{_rollout_seconds(vanilla[0]) / _rollout_seconds(r):.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def per_step(results: list[dict]) -> str:
+    """One row per step: each engine's rollout seconds, mean reward and logprob gap (mean / max
+    |rollout - trainer| over the probe's sampled tokens; the gap measured in that step)."""
+    head = "| step | " + " | ".join(
+        f"{r['engine']} rollout s | {r['engine']} reward | {r['engine']} gap mean / max"
+        for r in results) + " |"
+    lines = [head, "|---:|" + "---:|---:|---|" * len(results)]
+    for step in range(max(len(r["rollouts"]) for r in results)):
+        cells = []
+        for r in results:
+            rollout = r["rollouts"][step] if step < len(r["rollouts"]) else None
+            reward = r["rewards"][step] if step < len(r["rewards"]) else None
+            gap = r["gaps"][step] if step < len(r["gaps"]) else None
+            cells += [f"{rollout[1]:.4f}" if rollout else "",
+                      f"{reward:+.3f}" if reward is not None else "",
+                      f"{gap[0]:.1e} / {gap[1]:.1e}" if gap else ""]
+        lines.append(f"| {step + 1} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="jpaged,vanilla")
+    parser.add_argument("--engines", default="jpaged,vanilla",
+                        help="comma-separated: vanilla, jpaged, or jpaged:K for K decode "
+                             "steps per scheduler step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=1024)
@@ -263,9 +298,7 @@ def main(argv=None) -> str:
             f"model: Tunix Llama3, {params:,} parameters ({args.dtype}), "
             f"{len(PROMPTS)} prompts x {args.generations} samples, up to {args.max_tokens} "
             f"tokens\n\n" + summary(results)
-            + "\nper step (rollout s, reward):\n\n```\n" + json.dumps(
-                {r["engine"]: [(round(s, 4), round(w, 4)) for (_, s, _), w in
-                               zip(r["rollouts"], r["rewards"])] for r in results}) + "\n```\n")
+            + "\nper step:\n\n" + per_step(results))
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -25,3 +25,11 @@ def test_both_rollouts_train_and_match_the_trainer(tmp_path):
     text = grpo.summary(results)
     assert text.count("| jpaged |") == text.count("| vanilla |") == 1
     assert "vanilla / jpaged" in text
+
+
+def test_engine_names_choose_the_decode_steps_per_scheduler_step():
+    assert grpo.scheduler_steps("jpaged") == 1
+    assert grpo.scheduler_steps("jpaged:16") == 16
+    for bad in ("jpaged:x", "jpaged16", "vllm"):
+        with pytest.raises(ValueError, match="expected jpaged"):
+            grpo.scheduler_steps(bad)
