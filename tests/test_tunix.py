@@ -192,6 +192,50 @@ def test_a_batch_invariant_rollout_samples_the_training_forwards_logprobs(checkp
         assert np.array_equal(forward, logprobs)
 
 
+def test_a_sampled_pad_token_ends_the_sample_as_tunixs_trainer_reads_it(checkpoints):
+    """Tunix's trainer reads the pad id as padding wherever it stands. A token the model samples
+    mid-way is made the pad id: with the same seeds the samples are the same up to it and end
+    there, and Tunix's forward scores every sample as the rollout did (going on past the pad,
+    the trainer would have scored the rest as another sequence)."""
+    from tunix.rl import common
+    from tunix.rl.rollout import base_rollout
+
+    from jpaged.integrations.tunix import JpagedRollout
+
+    hf_dir = checkpoints["llama3"]
+    actor = tunix_model("llama3", hf_dir, seed=5)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=12, max_prompt_length=8,
+                                        kv_cache_size=64, temperature=1.0, seed=3,
+                                        return_logprobs=True)
+    prompts = ["The quick brown fox", "Hello, world!", "ab"]
+    plain = JpagedRollout(actor, _adapter(hf_dir), None, config, **LLM_OPTIONS).generate(
+        prompts, config)
+    tokenizer = _adapter(hf_dir)
+    in_prompts = {int(t) for row in plain.left_padded_prompt_tokens for t in row}
+    row, at, pad = next((row, at, int(token)) for row, tokens in enumerate(plain.tokens)
+                        for at, token in enumerate(tokens[:-1]) if at >= 2
+                        and int(token) not in in_prompts | {tokenizer.eos_id()}
+                        and int(token) not in tokens[:at])
+    tokenizer._tokenizer.pad_token = tokenizer._tokenizer.convert_ids_to_tokens(pad)
+    assert tokenizer.pad_id() == pad != tokenizer.eos_id()
+    rollout = JpagedRollout(actor, tokenizer, None, config, **LLM_OPTIONS)
+    out = rollout.generate(prompts, config)
+    np.testing.assert_array_equal(out.tokens[row], plain.tokens[row][:at + 1])
+    width = config.max_tokens_to_generate
+    completions = np.full((len(prompts), width), pad, np.int32)
+    sampled = np.zeros((len(prompts), width), np.float32)
+    for i, (tokens, logprobs) in enumerate(zip(out.tokens, out.logprobs, strict=True)):
+        assert pad not in tokens[:-1]
+        completions[i, :len(tokens)], sampled[i, :len(tokens)] = tokens, logprobs
+    graphdef, state = nnx.split(actor)
+    expected = np.asarray(common.compute_per_token_logps(
+        graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+        completion_tokens=jnp.asarray(completions), pad_id=pad, eos_id=tokenizer.eos_id(),
+        temperature=config.temperature))
+    is_real = completions != pad
+    np.testing.assert_allclose(sampled[is_real], expected[is_real], atol=TOLERANCE)
+
+
 def test_an_actor_jpaged_cannot_compute_is_refused_by_name(checkpoints):
     import dataclasses
 

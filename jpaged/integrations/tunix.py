@@ -129,11 +129,18 @@ class JpagedRollout(base_rollout.BaseRollout):
 
     def _sampling_params(self, config, count: int) -> list[SamplingParams]:
         eos = config.eos_tokens if config.eos_tokens is not None else [self.eos_id()]
+        # Tunix's trainer reads the pad id as padding wherever it stands, and scores what
+        # follows without it: a sample that went on past a sampled pad would be trained on as
+        # another sequence than the one sampled (logprobs off by 1e-2 on a random model), so a
+        # sampled pad ends the sample, as EOS does (a pad id past the vocabulary is never sampled).
+        pad = self.pad_id()
+        is_samplable = pad is not None and 0 <= pad < self.llm.engine.model_config.vocab_size
+        stops = [*eos, *([pad] if is_samplable and pad not in eos else [])]
         seed = None if config.seed is None else int(np.asarray(config.seed).reshape(-1)[0])
         return [SamplingParams(
             temperature=config.temperature, top_p=1.0 if config.top_p is None else config.top_p,
             top_k=-1 if config.top_k is None else config.top_k,
-            max_tokens=config.max_tokens_to_generate, stop_token_ids=list(eos),
+            max_tokens=config.max_tokens_to_generate, stop_token_ids=stops,
             # a seed per sample: the G samples of one prompt must differ
             seed=None if seed is None else seed + i,
             logprobs=0 if config.return_logprobs else None) for i in range(count)]
