@@ -268,8 +268,8 @@ class Scheduler:
             self.ledger.fork_children(request, children)
         assert all(seq.is_finished for seq in retired), \
             "the device retired a sequence the host thinks is running"
-        self.ledger.index(outcome.finished)
-        self.ledger.release(hold_back(outcome.finished))
+        self.ledger.index(outcome.finished)   # all of them, held back or not
+        self.ledger.release(hold_back(outcome.finished), index=False)
         for request in outcome.finished_requests:
             self.retire(request)
 
