@@ -153,12 +153,12 @@ def vanilla_class():
     return Vanilla
 
 
-def scheduler_steps(engine: str) -> int:
-    """"jpaged" runs one decode step per scheduler step, "jpaged:K" K steps on the device."""
+def rollout_options(engine: str) -> dict:
+    """"jpaged": the rollout's default options; "jpaged:K": K decode steps per scheduler step."""
     name, _, steps = engine.partition(":")
     if name != "jpaged" or (steps and not steps.isdigit()):
         raise ValueError(f"engine {engine!r}: expected jpaged, jpaged:K or vanilla")
-    return int(steps or 1)
+    return {"num_scheduler_steps": int(steps)} if steps else {}
 
 
 def run(engine: str, args, tokenizer) -> dict:
@@ -177,7 +177,7 @@ def run(engine: str, args, tokenizer) -> dict:
         rollout = functools.partial(
             recording(JpagedRollout, recorder, rollout_config, shares_weights=False),
             dtype=args.dtype, max_num_seqs=len(PROMPTS) * args.generations,
-            num_scheduler_steps=scheduler_steps(engine))
+            **rollout_options(engine))
     elif engine == "vanilla":
         rollout = recording(vanilla_class(), recorder, rollout_config, shares_weights=True)
     else:
@@ -263,8 +263,8 @@ def per_step(results: list[dict]) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="jpaged,vanilla",
-                        help="comma-separated: vanilla, jpaged, or jpaged:K for K decode "
-                             "steps per scheduler step")
+                        help="comma-separated: vanilla, jpaged (the rollout's defaults), or "
+                             "jpaged:K for K decode steps per scheduler step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=1024)

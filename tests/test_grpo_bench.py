@@ -28,8 +28,8 @@ def test_both_rollouts_train_and_match_the_trainer(tmp_path):
 
 
 def test_engine_names_choose_the_decode_steps_per_scheduler_step():
-    assert grpo.scheduler_steps("jpaged") == 1
-    assert grpo.scheduler_steps("jpaged:16") == 16
+    assert grpo.rollout_options("jpaged") == {}
+    assert grpo.rollout_options("jpaged:16") == {"num_scheduler_steps": 16}
     for bad in ("jpaged:x", "jpaged16", "vllm"):
         with pytest.raises(ValueError, match="expected jpaged"):
-            grpo.scheduler_steps(bad)
+            grpo.rollout_options(bad)

@@ -192,6 +192,33 @@ def test_a_batch_invariant_rollout_samples_the_training_forwards_logprobs(checkp
         assert np.array_equal(forward, logprobs)
 
 
+def test_the_rollout_decodes_several_steps_per_loop_with_the_same_samples(checkpoints):
+    """A rollout runs SCHEDULER_STEPS decode steps per device loop unless told otherwise, and
+    its seeded samples and logprobs are those of one step at a time."""
+    from tunix.rl.rollout import base_rollout
+
+    from jpaged.integrations.tunix import SCHEDULER_STEPS, JpagedRollout
+
+    hf_dir = checkpoints["llama3"]
+    actor = tunix_model("llama3", hf_dir, seed=5)
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=20, max_prompt_length=8,
+                                        kv_cache_size=64, temperature=1.0, seed=3,
+                                        return_logprobs=True)
+    looped = JpagedRollout(actor, _adapter(hf_dir), None, config, **LLM_OPTIONS)
+    stepped = JpagedRollout(actor, _adapter(hf_dir), None, config, num_scheduler_steps=1,
+                            **LLM_OPTIONS)
+    assert SCHEDULER_STEPS > 1
+    assert looped.llm.engine.config.num_scheduler_steps == SCHEDULER_STEPS
+    assert stepped.llm.engine.config.num_scheduler_steps == 1
+    prompts = ["The quick brown fox", "Hello, world!", "ab", "x"]
+    ours, theirs = (rollout.generate(prompts, config) for rollout in (looped, stepped))
+    assert sum(len(tokens) for tokens in ours.tokens) > 2 * SCHEDULER_STEPS
+    for mine, other in zip(ours.tokens, theirs.tokens, strict=True):
+        np.testing.assert_array_equal(mine, other)
+    for mine, other in zip(ours.logprobs, theirs.logprobs, strict=True):
+        np.testing.assert_allclose(mine, other, atol=TOLERANCE)
+
+
 def test_a_sampled_pad_token_ends_the_sample_as_tunixs_trainer_reads_it(checkpoints):
     """Tunix's trainer reads the pad id as padding wherever it stands. A token the model samples
     mid-way is made the pad id: with the same seeds the samples are the same up to it and end
