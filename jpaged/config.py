@@ -1,12 +1,13 @@
-"""Frozen model configuration read from Hugging Face `config.json` field names, plus presets."""
+"""Frozen model configuration read from Hugging Face `config.json` field names, plus presets.
+Its rotary embedding and mixture-of-experts parts are in `rope_config` and `experts_config`."""
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from jpaged.experts_config import ExpertsConfig, canonical_expert_count, read_experts
+from jpaged.rope_config import RopeConfig, read_ropes
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"   # package data: works from a wheel
 
@@ -20,7 +21,6 @@ _MODEL_TYPES = {
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM",) + GEMMA3_ARCHITECTURES
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -90,110 +90,6 @@ def normalize_dtype(name: str) -> str:
     if name not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {name!r}")
     return name
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding settings; `rope_type` is 'default', 'linear', 'llama3' or 'longrope'.
-
-    longrope (Phi-3's "su"): frequencies divided by `short_factor` per pair, or by `long_factor`
-    at positions >= original_max_position_embeddings, and cos/sin scaled by `attention_factor`.
-    partial_rotary_factor < 1 rotates only the first int(D * factor) dims of each head (Phi-3).
-    """
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    short_factor: tuple = ()
-    long_factor: tuple = ()
-    attention_factor: float = 1.0
-    partial_rotary_factor: float = 1.0
-
-    def __post_init__(self):
-        if self.rope_type not in ("default", "llama3", "linear", "longrope"):
-            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported "
-                             "(supported: default, linear, llama3, longrope)")
-        if self.rope_type == "longrope" and (
-                not self.short_factor or len(self.short_factor) != len(self.long_factor)):
-            raise ValueError("rope_scaling type 'longrope' needs short_factor and long_factor "
-                             f"of one length, got {len(self.short_factor)} and "
-                             f"{len(self.long_factor)}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
-                             f"{self.partial_rotary_factor}")
-
-    def rotary_dim(self, head_dim: int) -> int:
-        """Rotated dims of each head (transformers' int(head_dim * partial_rotary_factor))."""
-        return int(head_dim * self.partial_rotary_factor)
-
-    def inv_frequencies(self, head_dim: int) -> np.ndarray:
-        """Per-pair inverse frequencies [R/2] (R = rotary_dim), float64, with the configured
-        scaling applied (longrope: the short factors)."""
-        dim = self.rotary_dim(head_dim)
-        inv_freq = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        if self.rope_type == "linear":
-            return inv_freq / self.factor
-        if self.rope_type == "longrope":
-            return inv_freq / np.asarray(self.short_factor, np.float64)
-        if self.rope_type == "llama3":
-            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-            wavelen = 2 * np.pi / inv_freq
-            scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
-            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor)
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            return np.where(is_medium, smoothed, scaled)
-        return inv_freq
-
-    def long_inv_frequencies(self, head_dim: int) -> np.ndarray | None:
-        """longrope's frequencies [R/2] for positions >= original_max_position_embeddings; None
-        for the other types."""
-        if self.rope_type != "longrope":
-            return None
-        dim = self.rotary_dim(head_dim)
-        base = self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        return 1.0 / (np.asarray(self.long_factor, np.float64) * base)
-
-    @property
-    def attention_scaling(self) -> float:
-        """The factor transformers multiplies cos and sin by (longrope's attention factor)."""
-        return self.attention_factor if self.rope_type == "longrope" else 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertsConfig:
-    """A mixture-of-experts MLP (Mixtral, Qwen3-MoE): each token's `num_experts_per_tok` experts
-    of `num_local_experts`, picked by a softmax router, each a gated MLP of
-    `moe_intermediate_size`; their outputs summed with the routing weights.
-
-    norm_topk_prob: the chosen experts' probabilities renormalised to sum to one (Mixtral
-    always; Qwen3-MoE as its config says). float32_weights: the routing weights scale the expert
-    outputs in float32 (Mixtral) rather than cast to the model dtype first (Qwen3-MoE), as each
-    transformers architecture does. sparse_layers[i]: layer i routes (else it has a dense MLP of
-    the model's intermediate_size: Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
-    expert_parallel: not the checkpoint's but how a mesh splits the experts (the engine's
-    enable_expert_parallel): whole experts per device, or every expert's intermediate dimension
-    (`jpaged.parallel`).
-    """
-    num_local_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    float32_weights: bool
-    sparse_layers: tuple
-    expert_parallel: bool = False
-
-    def __post_init__(self):
-        for name in ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
-                             f"num_local_experts ({self.num_local_experts})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +307,7 @@ class ModelConfig:
         unknown = sorted(set(raw) - _READ - _KNOWN_UNUSED)
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {unknown}")
-        raw = {**_DEFAULTS.get(arch, {}), **_canonical_expert_count(raw, source)}
+        raw = {**_DEFAULTS.get(arch, {}), **canonical_expert_count(raw, source)}
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         for key in required:
@@ -423,7 +319,8 @@ class ModelConfig:
         heads = int(raw["num_attention_heads"])
         qkv_bias, o_proj_bias, mlp_bias = _read_biases(raw, arch)
         sliding_window, layer_types = _read_layer_types(raw, arch, source)
-        rope, local_rope = _read_ropes(raw, arch, source)
+        rope, local_rope = read_ropes(raw, source, is_gemma3=arch in GEMMA3_ARCHITECTURES,
+                                      is_phi3=arch == "Phi3ForCausalLM")
         is_gemma = arch in GEMMA_ARCHITECTURES
         activation_field = "hidden_activation" if is_gemma else "hidden_act"
         try:
@@ -453,7 +350,7 @@ class ModelConfig:
                                                        arch == "Gemma2ForCausalLM"),
                 final_logit_softcapping=_optional_float(raw, "final_logit_softcapping",
                                                         is_gemma),
-                experts=_read_experts(raw, arch),
+                experts=read_experts(raw, arch),
             )
         except ValueError as err:
             if source in str(err):
@@ -558,97 +455,3 @@ def _read_layer_types(raw: dict, arch: str, source: str) -> tuple[int | None, tu
     if window is None or (layer_types is not None and LAYER_TYPES[1] not in layer_types):
         return None, None
     return int(window), None if layer_types is None else tuple(layer_types)
-
-
-def _canonical_expert_count(raw: dict, source: str) -> dict:
-    """raw with the number of experts under `num_local_experts` (Qwen3-MoE's checkpoints call it
-    `num_experts`; transformers 5 writes either name)."""
-    if "num_experts" not in raw:
-        return raw
-    raw = dict(raw)
-    count = raw.pop("num_experts")
-    if raw.get("num_local_experts", count) != count:
-        raise ValueError(f"{source}: fields 'num_experts' ({count}) and 'num_local_experts' "
-                         f"({raw['num_local_experts']}) disagree")
-    raw["num_local_experts"] = count
-    return raw
-
-
-def _read_experts(raw: dict, arch: str) -> ExpertsConfig | None:
-    """The mixture-of-experts MLP of a MoE architecture (None for the dense ones), with each
-    transformers architecture's routing: Mixtral routes every layer with renormalised float32
-    weights and experts of intermediate_size; Qwen3-MoE as its config says."""
-    if arch not in MOE_ARCHITECTURES:
-        return None
-    layers = int(raw["num_hidden_layers"])
-    if arch == "MixtralForCausalLM":
-        return ExpertsConfig(
-            num_local_experts=int(raw["num_local_experts"]),
-            num_experts_per_tok=int(raw["num_experts_per_tok"]),
-            moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
-            float32_weights=True, sparse_layers=(True,) * layers)
-    step = int(raw.get("decoder_sparse_step") or 1)
-    dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
-    return ExpertsConfig(
-        num_local_experts=int(raw["num_local_experts"]),
-        num_experts_per_tok=int(raw["num_experts_per_tok"]),
-        moe_intermediate_size=int(raw["moe_intermediate_size"]),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)), float32_weights=False,
-        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
-
-
-def _read_ropes(raw: dict, arch: str, source: str) -> tuple[RopeConfig, RopeConfig | None]:
-    """(rope, local_rope): transformers 5 `rope_parameters` (Gemma 3: one dict per layer type)
-    or the older top-level `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`)."""
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {})
-    if arch not in GEMMA3_ARCHITECTURES:
-        return _read_rope({**scaling, **params}, raw, arch, source), None
-    if "full_attention" in params or "sliding_attention" in params:
-        full = dict(params.get("full_attention") or {})
-        local = dict(params.get("sliding_attention") or {})
-    else:
-        full, local = {**scaling, **params}, {}
-    full.setdefault("rope_theta", raw["rope_theta"])
-    local.setdefault("rope_theta", raw["rope_local_base_freq"])
-    return (_read_rope(full, raw, arch, source),
-            _read_rope(local, raw, arch, f"{source} (sliding layers)"))
-
-
-def _read_rope(merged: dict, raw: dict, arch: str, source: str) -> RopeConfig:
-    """One RopeConfig from a merged rope_scaling / rope_parameters dict."""
-    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    partial = float(merged.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0)
-    if arch == "Phi3ForCausalLM":
-        rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type  # Phi-3's old names
-    elif partial != 1.0:
-        raise ValueError(f"{source}: field 'partial_rotary_factor' must be 1.0, got {partial}")
-    max_positions = int(raw.get("max_position_embeddings") or 2048)
-    # Phi-3 keeps the pre-training length at the top level, and transformers prefers it there
-    original = int(raw.get("original_max_position_embeddings")
-                   or merged.get("original_max_position_embeddings")
-                   or (max_positions if rope_type in ("llama3", "longrope") else 8192))
-    factor = float(merged.get("factor") or (max_positions / original
-                                            if rope_type == "longrope" else 1.0))
-    try:
-        return RopeConfig(
-            theta=float(merged.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            rope_type=rope_type, factor=factor,
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=original,
-            short_factor=tuple(float(f) for f in merged.get("short_factor") or ()),
-            long_factor=tuple(float(f) for f in merged.get("long_factor") or ()),
-            attention_factor=float(merged.get("attention_factor") or (
-                _longrope_attention_factor(factor, original) if rope_type == "longrope" else 1.0)),
-            partial_rotary_factor=partial,
-        )
-    except ValueError as err:
-        raise ValueError(f"{source}: field 'rope_scaling': {err}") from err
-
-
-def _longrope_attention_factor(factor: float, original_max_position_embeddings: int) -> float:
-    """The cos/sin scale transformers derives when a longrope config gives none."""
-    if factor <= 1.0:
-        return 1.0
-    return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jpaged import options
-from jpaged.config import PRESETS_DIR, ModelConfig, RopeConfig
+from jpaged.config import PRESETS_DIR, ModelConfig
+from jpaged.rope_config import RopeConfig
 from jpaged.options import OPTIONS, EngineConfig, OptionError, check_options
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -188,7 +188,7 @@ class Rotary:
 
     @classmethod
     def from_config(cls, rope, head_dim: int) -> "Rotary":
-        """From a `config.RopeConfig`."""
+        """From a `rope_config.RopeConfig`."""
         long = rope.long_inv_frequencies(head_dim)
         return cls(tuple(rope.inv_frequencies(head_dim).tolist()), head_dim,
                    None if long is None else tuple(long.tolist()),
