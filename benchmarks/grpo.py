@@ -173,15 +173,13 @@ def run(engine: str, args, tokenizer) -> dict:
         kv_cache_size=16 + args.max_tokens + 16, temperature=0.9, seed=args.seed,
         return_logprobs=True)
     recorder = Recorder()
-    if engine.startswith("jpaged"):
+    if engine == "vanilla":
+        rollout = recording(vanilla_class(), recorder, rollout_config, shares_weights=True)
+    else:   # rollout_options refuses any other name
         rollout = functools.partial(
             recording(JpagedRollout, recorder, rollout_config, shares_weights=False),
             dtype=args.dtype, max_num_seqs=len(PROMPTS) * args.generations,
             **rollout_options(engine))
-    elif engine == "vanilla":
-        rollout = recording(vanilla_class(), recorder, rollout_config, shares_weights=True)
-    else:
-        raise ValueError(f"engine {engine!r}: expected jpaged, jpaged:K or vanilla")
     actor = tunix_model(args, args.seed)
     if args.dtype != "float32":
         state = nnx.state(actor, nnx.Param)
