@@ -85,6 +85,7 @@ class Recorder:
 
     def __init__(self):
         self.rollouts = []   # (start, seconds, completion tokens)
+        self.prompts = []    # the prompts of each generate call
         self.gaps = []       # (mean, max) per sync
         self.rewards = []    # mean reward per reward call (one per step)
         self.trainer = None  # callable: the trainer's model
@@ -107,6 +108,7 @@ def recording(base, recorder: Recorder, probe_config, *, shares_weights: bool):
             out = super().generate(prompts, rollout_config, **kwargs)
             seconds = time.perf_counter() - start
             recorder.rollouts.append((start, seconds, sum(len(t) for t in out.tokens)))
+            recorder.prompts.append([str(p) for p in prompts])
             if shares_weights:
                 recorder.gaps.append(self._gap(recorder.trainer()))
             return out
@@ -153,6 +155,13 @@ def vanilla_class():
     return Vanilla
 
 
+def training_batches(steps: int) -> list[dict]:
+    """One batch of all PROMPTS per step, as an array: Tunix maps its repeat over the batch as
+    a pytree, so a list would be taken as one leaf per prompt, each repeated into an array that
+    the rollout then sees as one prompt (the str() of G copies)."""
+    return [{"prompts": np.array(PROMPTS)}] * steps
+
+
 def rollout_options(engine: str) -> dict:
     """"jpaged": the rollout's default options; "jpaged:K": K decode steps per scheduler step."""
     name, _, steps = engine.partition(":")
@@ -197,11 +206,12 @@ def run(engine: str, args, tokenizer) -> dict:
         rl_cluster=cluster, algo_config=grpo_learner.GRPOConfig(
             num_generations=args.generations, beta=0.0), reward_fns=[recorder.reward])
     start = time.perf_counter()
-    learner.train([{"prompts": PROMPTS}] * args.steps)
+    learner.train(training_batches(args.steps))
     total = time.perf_counter() - start
     starts = [start for start, _, _ in recorder.rollouts]
     return dict(engine=engine, total_s=total, rollouts=recorder.rollouts,
-                step_s=list(np.diff(starts)), gaps=recorder.gaps, rewards=recorder.rewards)
+                step_s=list(np.diff(starts)), gaps=recorder.gaps, rewards=recorder.rewards,
+                prompts=recorder.prompts)
 
 
 def _after_first(result: dict) -> list:

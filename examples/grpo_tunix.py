@@ -85,7 +85,9 @@ def main(steps: int, workdir: Path) -> None:
     learner = grpo_learner.GRPOLearner(
         rl_cluster=cluster, algo_config=grpo_learner.GRPOConfig(num_generations=4, beta=0.0),
         reward_fns=[length_reward])
-    learner.train([{"prompts": PROMPTS}] * steps)
+    # an array, not a list: Tunix repeats each batch's leaves G times, and each string of a
+    # list would be a leaf of its own
+    learner.train([{"prompts": np.array(PROMPTS)}] * steps)
     sample = cluster.generate(PROMPTS)
     for prompt, text in zip(PROMPTS, sample.text):
         print(f"{prompt!r} -> {text!r} (reward {length_reward([prompt], [text])[0]:+.2f})")

@@ -22,6 +22,9 @@ def test_both_rollouts_train_and_match_the_trainer(tmp_path):
         assert len(result["rollouts"]) == len(result["rewards"]) == 2, result["engine"]
         assert all(seconds > 0 and tokens > 0 for _, seconds, tokens in result["rollouts"])
         assert result["gaps"] and max(g[1] for g in result["gaps"]) < 1e-4, result
+        # every step samples each prompt G times, the prompt itself (not a repr of copies)
+        for prompts in result["prompts"]:
+            assert sorted(prompts) == sorted(grpo.PROMPTS * args.generations), prompts
     text = grpo.summary(results)
     assert text.count("| jpaged |") == text.count("| vanilla |") == 1
     assert "vanilla / jpaged" in text

@@ -328,6 +328,7 @@ def recording_rollout_class():
 
     class RecordingRollout(JpagedRollout):
         records = []
+        generated = []         # the prompts of each of Tunix's generate calls
         trainer_model = None   # set to a callable returning the trainer's model
 
         def __init__(self, rollout_actor, *args, **kwargs):
@@ -336,6 +337,10 @@ def recording_rollout_class():
             with jax.transfer_guard("allow"):
                 self.records.append(self._compare(self.actor))   # built from the actor
 
+        def generate(self, prompts, rollout_config, **kwargs):
+            self.generated.append([str(p) for p in prompts])
+            return super().generate(prompts, rollout_config, **kwargs)
+
         def update_params(self, params, filter_types=None):
             super().update_params(params, filter_types)
             trainer = type(self).trainer_model() if type(self).trainer_model else self.actor
@@ -343,7 +348,7 @@ def recording_rollout_class():
                 self.records.append(self._compare(trainer))
 
         def _compare(self, trainer):
-            out = self.generate(["The quick brown fox", "Hello, world!"], config)
+            out = JpagedRollout.generate(self, ["The quick brown fox", "Hello, world!"], config)
             completions = np.full((len(out.tokens), 8), self.pad_id(), np.int32)
             for row, tokens in enumerate(out.tokens):
                 completions[row, :len(tokens)] = tokens
@@ -396,7 +401,9 @@ def test_grpo_trains_with_jpaged_rollout(checkpoints):
         rl_cluster=cluster, algo_config=grpo_learner.GRPOConfig(num_generations=2, beta=0.0),
         reward_fns=[lambda prompts, completions, **_: [float(len(c)) for c in completions]])
     prompts = ["The quick brown fox", "Hello, world!"]
-    learner.train([{"prompts": prompts}, {"prompts": prompts[::-1]}])
+    # an array, as Tunix's data pipeline yields: Tunix repeats the batch's leaves G times
+    learner.train([{"prompts": np.array(prompts)}, {"prompts": np.array(prompts[::-1])}])
+    assert [sorted(step) for step in rollout_cls.generated] == [sorted(prompts * 2)] * 2
     records = rollout_cls.records
     assert len(records) == 3   # at construction, then after each of the two steps
     for record in records:
