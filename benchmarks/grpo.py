@@ -131,10 +131,24 @@ def recording(base, recorder: Recorder, probe_config, *, shares_weights: bool):
                 graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
                 completion_tokens=jnp.asarray(completions), pad_id=self.pad_id(),
                 eos_id=self.eos_id(), temperature=probe_config.temperature))
-            gap = np.abs(sampled - expected)[completions != self.pad_id()]
+            is_real = completions != self.pad_id()
+            gap = np.abs(sampled - expected)[is_real]
+            if gap.max() > 1e-2:
+                _report_worst(out.tokens, completions, sampled, expected, is_real)
             return float(gap.mean()), float(gap.max())
 
     return Recording
+
+
+def _report_worst(tokens, completions, sampled, expected, is_real):
+    """To stderr: the probe token whose rollout logprob is furthest from the trainer's, with
+    its sample, for a gap past what float rounding explains."""
+    difference = np.where(is_real, np.abs(sampled - expected), 0.0)
+    row, position = np.unravel_index(np.argmax(difference), difference.shape)
+    print(f"logprob gap {difference[row, position]:.3g} at probe sample {row}, position "
+          f"{position} of {len(tokens[row])}: token {completions[row, position]}, rollout "
+          f"{sampled[row, position]:.4f}, trainer {expected[row, position]:.4f}; sample "
+          f"{np.asarray(tokens[row]).tolist()}", file=sys.stderr, flush=True)
 
 
 def vanilla_class():
