@@ -27,6 +27,7 @@ from jpaged.serve import openai_api as api
 from jpaged.serve import chat, replies, tokenize_api, tool_parsers
 from jpaged.serve.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestGroup
 from jpaged.serve.data_parallel import DataParallelEngine
+from jpaged.serve.request_body import parse_body
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 logger = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def build_app(async_engine: AsyncEngine | DataParallelEngine, model: api.ModelIn
         reply): tokenising a long prompt or rendering a template must not hold up the event
         loop, which answers every other client."""
         raw = await _read_body(request, max_request_bytes)
-        return await asyncio.to_thread(lambda: parse(api.parse_body(raw), model))
+        return await asyncio.to_thread(lambda: parse(parse_body(raw), model))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
