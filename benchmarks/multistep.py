@@ -13,6 +13,11 @@ final_only`, as `LLM.generate` does; `cumulative` builds every request's output 
       processing: everything outside dispatch-to-fetched-result) over the tokens generated.
 One engine per model; each K's loop (K is its static trip count) is compiled by a short run
 first. Usage: python benchmarks/multistep.py --models llama3.2-1b,llama3-8b --out FILE
+
+`--kernels N` adds, per row, the N GPU kernels (and copies) that took the most of the traced
+run, in microseconds per decode iteration: where a decode step's time goes. `--override
+field=value,...` changes the presets' Hugging Face config fields (e.g. a smaller model of the
+same family), `--dtype` the weights' dtype (bfloat16 by default).
 """
 
 import argparse
@@ -20,6 +25,7 @@ import dataclasses
 import datetime
 import functools
 import glob
+import json
 import platform
 import sys
 import tempfile
@@ -34,7 +40,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jpaged import LLMEngine, RequestOutputKind, SamplingParams  # noqa: E402
-from jpaged.config import ModelConfig  # noqa: E402
+from jpaged.config import PRESETS_DIR, ModelConfig  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
 
 
@@ -63,13 +69,53 @@ def busy_seconds(lines) -> float:
     return busy * 1e-9
 
 
-def gpu_busy_seconds(trace_dir: str) -> tuple[float, list[str]]:
-    """Seconds during which any stream of the first GPU ran a kernel or a copy, and the lines
-    used."""
+def kernel_totals(lines) -> list[tuple[str, float, int]]:
+    """(name, seconds, count) of each kernel or copy name on these lines, most time first."""
+    totals: dict[str, list] = {}
+    for line in lines:
+        for event in line.events:
+            entry = totals.setdefault(event.name, [0, 0])
+            entry[0] += event.end_ns - event.start_ns
+            entry[1] += 1
+    return sorted(((name, ns * 1e-9, count) for name, (ns, count) in totals.items()),
+                  key=lambda item: -item[1])
+
+
+def kernel_table(totals, iterations: int, busy: float, top: int) -> list[str]:
+    """Markdown rows: the `top` kernels of `totals` per decode iteration, and the rest."""
+    rows = ["| kernel or copy | us per iteration | calls per iteration | share of busy |",
+            "|---|---:|---:|---:|"]
+    shown, rest = totals[:top], totals[top:]
+    for name, seconds, count in shown + [("(all others)", sum(t[1] for t in rest),
+                                          sum(t[2] for t in rest))] * bool(rest):
+        label = name if len(name) <= 80 else name[:77] + "..."
+        rows.append(f"| `{label}` | {1e6 * seconds / iterations:.1f} | "
+                    f"{count / iterations:.1f} | {seconds / busy:.1%} |")
+    return rows
+
+
+def gpu_busy_seconds(trace_dir: str) -> tuple[float, list[str], list]:
+    """Seconds during which any stream of the first GPU ran a kernel or a copy, the lines
+    used, and the kernel totals (`kernel_totals`)."""
     lines = gpu_stream_lines(trace_dir)
     if lines is None:
         raise RuntimeError("the trace has no GPU plane")
-    return busy_seconds(lines), [line.name for line in lines]
+    return busy_seconds(lines), [line.name for line in lines], kernel_totals(lines)
+
+
+def model_config(name: str, overrides: str) -> ModelConfig:
+    """The preset `name` with Hugging Face config fields replaced: "field=value,..." (values
+    read as JSON: numbers, true/false, quoted strings)."""
+    if not overrides:
+        return ModelConfig.preset(name)
+    ModelConfig.preset(name)   # an unknown name is refused with the known ones
+    raw = json.loads((PRESETS_DIR / f"{name}.json").read_text())
+    for item in overrides.split(","):
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise ValueError(f"--override {item!r}: expected field=value")
+        raw[field.strip()] = json.loads(value)
+    return ModelConfig.from_dict(raw, source=f"preset {name} with {overrides}")
 
 
 def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False, trace_dir=None,
@@ -96,6 +142,7 @@ def run_once(engine, batch, k, decode_tokens, rng, async_scheduling=False, trace
         jax.profiler.stop_trace()
     decode = engine.step_log[1:]
     return dict(batch=batch, k=k, tokens=sum(r.num_generated for r in decode),
+                iterations=len(decode) * k,   # a loop runs all K iterations (static trip count)
                 host=sum(r.host_seconds for r in decode), steps=len(decode),
                 compiled=engine.executor.num_compilations > shapes_before, elapsed=elapsed)
 
@@ -108,13 +155,13 @@ def measure(engine, batch, k, decode_tokens, rng, output_kind) -> dict:
         overlapped = run(async_scheduling=True)
         with tempfile.TemporaryDirectory() as trace_dir:
             traced = run(async_scheduling=True, trace_dir=trace_dir)
-            busy, lines = gpu_busy_seconds(trace_dir)
+            busy, lines, kernels = gpu_busy_seconds(trace_dir)
         compiled = sync["compiled"] or overlapped["compiled"] or traced["compiled"]
         if not compiled:
             break
     assert traced["tokens"] == sync["tokens"] == overlapped["tokens"]
     return sync | dict(async_elapsed=overlapped["elapsed"], busy=busy, lines=lines,
-                       compiled=compiled)
+                       kernels=kernels, iterations=traced["iterations"], compiled=compiled)
 
 
 def main(argv=None):
@@ -126,6 +173,11 @@ def main(argv=None):
     parser.add_argument("--output-kind", default="final_only",
                         choices=[kind.name.lower() for kind in RequestOutputKind],
                         help="what engine.step returns per request (LLM.generate: final_only)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--override", default="",
+                        help="Hugging Face config fields replaced in every preset: field=value,...")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="per row, the N GPU kernels that took the most time")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
@@ -137,7 +189,9 @@ def main(argv=None):
              f"{datetime.date.today()}, jax {jax.__version__}, python {platform.python_version()}",
              f"command: python benchmarks/multistep.py --models {args.models} --batches "
              f"{args.batches} --ks {args.ks} --decode-tokens {args.decode_tokens} "
-             f"--output-kind {args.output_kind}",
+             f"--output-kind {args.output_kind} --dtype {args.dtype}"
+             + (f" --override {args.override}" if args.override else "")
+             + (f" --kernels {args.kernels}" if args.kernels else ""),
              "16-token prompts, greedy, EOS ignored, outputs built as --output-kind asks; "
              "a row whose runs compiled anything (a loop, a block operation's new size) is "
              "measured again, up to 3 times; one marked * still included a compile and is "
@@ -149,8 +203,8 @@ def main(argv=None):
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     results = []
     for name in args.models.split(","):
-        config = ModelConfig.preset(name)
-        model = LlamaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        config = model_config(name, args.override)
+        model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
         engine = LLMEngine.from_model(model, None, max_num_seqs=max(batches), max_model_len=512,
                                       max_num_batched_tokens=max(4096, 16 * max(batches)),
                                       warmup=False, num_scheduler_steps=max(ks))
@@ -171,6 +225,11 @@ def main(argv=None):
                     f"{1e6 * r['host'] / r['tokens']:.1f} |")
                 print(lines[-1], flush=True)
         del engine, model
+    for r in results if args.kernels else ():
+        lines += ["", f"{r['model']}, batch {r['batch']}, K = {r['k']}: GPU time per decode "
+                  f"iteration ({r['iterations']} iterations traced, busy "
+                  f"{1e6 * r['busy'] / r['iterations']:.0f} us per iteration)", ""]
+        lines += kernel_table(r["kernels"], r["iterations"], r["busy"], args.kernels)
     lines += ["", f"GPU trace lines counted: {', '.join(results[0]['lines'])}"]
     text = "\n".join(lines) + "\n"
     print(text)
