@@ -204,6 +204,7 @@ def main(argv=None):
     results = []
     for name in args.models.split(","):
         config = model_config(name, args.override)
+        label = f"{name}, overridden" if args.override else name
         model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
         engine = LLMEngine.from_model(model, None, max_num_seqs=max(batches), max_model_len=512,
                                       max_num_batched_tokens=max(4096, 16 * max(batches)),
@@ -214,11 +215,11 @@ def main(argv=None):
                 run_once(engine, batch, k, 8, rng, async_scheduling=True)
             for k in ks:
                 r = measure(engine, batch, k, args.decode_tokens, rng,
-                            RequestOutputKind[args.output_kind.upper()]) | dict(model=name)
+                            RequestOutputKind[args.output_kind.upper()]) | dict(model=label)
                 results.append(r)
                 mark = "*" if r["compiled"] else ""
                 lines.append(
-                    f"| {name} | {batch} | {k}{mark} | {r['steps']} | "
+                    f"| {label} | {batch} | {k}{mark} | {r['steps']} | "
                     f"{r['tokens'] / r['elapsed']:.0f} | {r['tokens'] / r['async_elapsed']:.0f} | "
                     f"{r['tokens'] / r['busy']:.0f} | {r['elapsed'] / r['busy']:.3f} | "
                     f"{r['async_elapsed'] / r['busy']:.3f} | "
