@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from jpaged import parallel
-from jpaged.config import ModelConfig, normalize_dtype, read_eos_token_ids
+from jpaged.config import ModelConfig, normalize_dtype
+from jpaged.hf_config import read_eos_token_ids
 from jpaged.models import packing
 from jpaged.models.llama import LlamaForCausalLM
 from jpaged.options import LOAD_FORMATS
