@@ -17,7 +17,8 @@ first. Usage: python benchmarks/multistep.py --models llama3.2-1b,llama3-8b --ou
 `--kernels N` adds, per row, the N GPU kernels (and copies) that took the most of the traced
 run, in microseconds per decode iteration: where a decode step's time goes. `--override
 field=value,...` changes the presets' Hugging Face config fields (e.g. a smaller model of the
-same family), `--dtype` the weights' dtype (bfloat16 by default).
+same family), `--dtype` the weights' dtype (bfloat16 by default), `--matmul-precision` the
+model's matmul precision.
 """
 
 import argparse
@@ -174,6 +175,9 @@ def main(argv=None):
                         choices=[kind.name.lower() for kind in RequestOutputKind],
                         help="what engine.step returns per request (LLM.generate: final_only)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--matmul-precision", default=None,
+                        choices=["highest", "high", "default"],
+                        help="the model's matmul precision (absent: its dtype's default)")
     parser.add_argument("--override", default="",
                         help="Hugging Face config fields replaced in every preset: field=value,...")
     parser.add_argument("--kernels", type=int, default=0,
@@ -190,6 +194,7 @@ def main(argv=None):
              f"command: python benchmarks/multistep.py --models {args.models} --batches "
              f"{args.batches} --ks {args.ks} --decode-tokens {args.decode_tokens} "
              f"--output-kind {args.output_kind} --dtype {args.dtype}"
+             + (f" --matmul-precision {args.matmul_precision}" if args.matmul_precision else "")
              + (f" --override {args.override}" if args.override else "")
              + (f" --kernels {args.kernels}" if args.kernels else ""),
              "16-token prompts, greedy, EOS ignored, outputs built as --output-kind asks; "
@@ -205,7 +210,8 @@ def main(argv=None):
     for name in args.models.split(","):
         config = model_config(name, args.override)
         label = f"{name}, overridden" if args.override else name
-        model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+        model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0),
+                                 matmul_precision=args.matmul_precision)
         engine = LLMEngine.from_model(model, None, max_num_seqs=max(batches), max_model_len=512,
                                       max_num_batched_tokens=max(4096, 16 * max(batches)),
                                       warmup=False, num_scheduler_steps=max(ks))

@@ -219,6 +219,35 @@ def test_the_rollout_decodes_several_steps_per_loop_with_the_same_samples(checkp
         np.testing.assert_allclose(mine, other, atol=TOLERANCE)
 
 
+def test_the_rollout_computes_matmuls_at_the_trainers_precision(checkpoints):
+    """Tunix's models pass no matmul precision, so they compute at JAX's default (TF32 for
+    float32 on a GPU): the rollout's engine takes that default, not the full float32 a plain
+    float32 engine runs; JAX's setting is followed, an explicit option wins, and a dot algorithm
+    the engine cannot match is refused by name."""
+    import jax
+
+    from jpaged.integrations.tunix import JpagedRollout, trainer_matmul_precision
+    from jpaged.options import OptionError
+
+    hf_dir = checkpoints["llama3"]
+    actor = tunix_model("llama3", hf_dir, seed=5)
+
+    def precision(**options):
+        rollout = JpagedRollout(actor, _adapter(hf_dir), None, None, **LLM_OPTIONS, **options)
+        return rollout.llm.engine.config.matmul_precision
+
+    assert trainer_matmul_precision() == "default"
+    assert precision() == "default"
+    assert precision(matmul_precision="highest") == "highest"
+    with jax.default_matmul_precision("float32"):
+        assert precision() == "highest"
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert trainer_matmul_precision() == "high"
+    with jax.default_matmul_precision("BF16_BF16_F32_X3"):
+        with pytest.raises(OptionError, match="jax_default_matmul_precision is 'BF16_BF16_F32_X3'"):
+            trainer_matmul_precision()
+
+
 def test_a_sampled_pad_token_ends_the_sample_as_tunixs_trainer_reads_it(checkpoints):
     """Tunix's trainer reads the pad id as padding wherever it stands. A token the model samples
     mid-way is made the pad id: with the same seeds the samples are the same up to it and end

@@ -41,6 +41,26 @@ from jpaged.sampling import SamplingParams
 SCHEDULER_STEPS = 8
 
 
+# JAX's default matmul precision setting (`jax_default_matmul_precision`, the names it takes
+# for the three precisions) -> the engine's `matmul_precision`.
+_JAX_PRECISIONS = {None: "default", "default": "default", "bfloat16": "default",
+                   "high": "high", "tensorfloat32": "high", "highest": "highest",
+                   "float32": "highest"}
+
+
+def trainer_matmul_precision() -> str:
+    """The precision Tunix's models compute their matmuls at: JAX's default (they pass none),
+    so the rollout samples from the function the trainer trains. On a GPU that is TF32 for
+    float32 parameters unless `jax_default_matmul_precision` says otherwise; a dot algorithm
+    named there has no engine equivalent and raises, naming the setting."""
+    setting = jax.config.jax_default_matmul_precision
+    if setting not in _JAX_PRECISIONS:
+        raise OptionError("matmul_precision", f"jax_default_matmul_precision is {setting!r}, "
+                          "which the engine cannot match; pass matmul_precision= "
+                          f"(one of {sorted(set(_JAX_PRECISIONS.values()))})")
+    return _JAX_PRECISIONS[setting]
+
+
 class JpagedRollout(base_rollout.BaseRollout):
     """A Tunix rollout worker backed by a jpaged `LLM` (`self.llm`).
 
@@ -48,8 +68,10 @@ class JpagedRollout(base_rollout.BaseRollout):
     `model` (None: build from the actor) and the `LLM` options come from the partial. The mesh
     is not used: the engine takes its devices from its own options (`devices`,
     `tensor_parallel_size`). `max_model_len` defaults to the rollout config's kv_cache_size,
-    `logprobs_mode` to "processed_logprobs", `num_scheduler_steps` to SCHEDULER_STEPS; `dtype`,
-    for an engine built from the actor, to its parameters' dtype.
+    `logprobs_mode` to "processed_logprobs", `num_scheduler_steps` to SCHEDULER_STEPS,
+    `matmul_precision` to the trainer's (`trainer_matmul_precision`: TF32 for a float32 model
+    on a GPU, where a plain jpaged engine computes float32 in full); `dtype`, for an engine
+    built from the actor, to its parameters' dtype.
     """
 
     def __init__(self, rollout_actor: nnx.Module, tokenizer: Any, mesh=None,
@@ -61,6 +83,8 @@ class JpagedRollout(base_rollout.BaseRollout):
         llm_options.setdefault("logprobs_mode", "processed_logprobs")
         llm_options.setdefault("num_scheduler_steps", SCHEDULER_STEPS)
         llm_options.setdefault("max_model_len", self._config.kv_cache_size)
+        if "matmul_precision" not in llm_options:
+            llm_options["matmul_precision"] = trainer_matmul_precision()
         self._is_processed = llm_options["logprobs_mode"] == "processed_logprobs"
         if model is None:
             self.llm = self._llm_from_actor(rollout_actor, llm_options)
