@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jpaged.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS  # noqa: E402
+from jpaged.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS  # noqa: E402
 
 SERVER_FLAGS = ["--max-model-len=256", "--max-num-seqs=64", "--uvicorn-log-level=warning"]
 

@@ -28,7 +28,7 @@ import dataclasses
 
 from jpaged.blocks.ledger import BlockLedger
 from jpaged.request import Request
-from jpaged.sampling import SamplingParams
+from jpaged.sampling_params import SamplingParams
 from jpaged.engine.scheduler import Scheduler
 
 CATEGORIES = ("useful", "reserved", "internal", "external", "idle", "other")

@@ -38,7 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.timing import median_seconds  # noqa: E402
-from jpaged.sampling import SamplingParams, SamplingRow  # noqa: E402
+from jpaged.sampling import SamplingRow  # noqa: E402
+from jpaged.sampling_params import SamplingParams  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

@@ -20,7 +20,7 @@ from jpaged.blocks.ledger import BlockLedger  # noqa: E402
 from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.engine.scheduler import Scheduler  # noqa: E402
 from jpaged.request import Request  # noqa: E402
-from jpaged.sampling import SamplingParams  # noqa: E402
+from jpaged.sampling_params import SamplingParams  # noqa: E402
 
 
 def most_blocks_held(args, window: int | None) -> int:

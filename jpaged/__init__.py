@@ -4,7 +4,7 @@ from jpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSe
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
 from jpaged.request import CompletionOutput, Logprob, RequestOutput
-from jpaged.sampling import RequestOutputKind, SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "Logprob",

@@ -11,7 +11,7 @@ from jpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_s
 from jpaged.engine.llm_engine import LLMEngine, completion_logprobs
 from jpaged.options import options_doc
 from jpaged.request import RequestOutput
-from jpaged.sampling import RequestOutputKind, SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jpaged.sampling import SamplingParams
+from jpaged.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -11,7 +11,7 @@ from jpaged import kv_cache
 from jpaged.blocks import allocator, ops
 from jpaged.blocks.ledger import BlockLedger
 from jpaged.request import Request, Sequence
-from jpaged.sampling import SamplingParams
+from jpaged.sampling_params import SamplingParams
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS = 48, 4, 6, 12
 _APPEND = jax.jit(allocator.append_tokens, static_argnames="max_tokens")

@@ -9,7 +9,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jpaged import detokenizer
 from jpaged.detokenizer import IncrementalDetokenizer, StopMatcher
-from jpaged.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from jpaged.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 SENTENCES = ["héllo wörld ✓ this is a test", "the quick brown fox jumps over the lazy dog",
              "日本語のテキスト 🎉 emoji", "héllo again, wörld!", "stop here. STOP. end"] * 3

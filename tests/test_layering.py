@@ -6,8 +6,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = {"config", "hf_config", "rope_config", "experts_config", "kv_cache", "sampling", "logprobs",
-        "detokenizer", "request", "compat", "parallel", "options", "blocks", "structured_outputs"}
+CORE = {"config", "hf_config", "rope_config", "experts_config", "kv_cache", "sampling",
+        "sampling_params", "logprobs", "detokenizer", "request", "compat", "parallel", "options",
+        "blocks", "structured_outputs"}
 ENGINE = {"engine", "llm", "serve", "main"}
 PALLAS_IMPORTERS = {"jpaged/kv_cache.py", "jpaged/models/attention.py"}
 OP_KINDS = {"free", "fork", "retain", "release", "pop", "adopt", "copy", "swap_out", "swap_in",

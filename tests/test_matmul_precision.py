@@ -19,7 +19,8 @@ from jpaged.engine.device_step import step_impl
 from jpaged.engine.executable_store import Store
 from jpaged.engine.programs import argument_specs
 from jpaged.models import LlamaForCausalLM, with_matmul_precision
-from jpaged.sampling import SamplingParams, SamplingRow
+from jpaged.sampling import SamplingRow
+from jpaged.sampling_params import SamplingParams
 from pallas_kernels.testing import dot_precisions
 
 # One layer of the tiny preset: every kind of dot (q/k/v, attention, o, MLP, logits) once.

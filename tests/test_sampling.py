@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jpaged.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS,
-                             MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams, SamplingRow,
-                             SamplingTensors,
-                             request_seed, row_keys, sample)
+from jpaged.sampling import SamplingRow, SamplingTensors, row_keys, sample
+from jpaged.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_LENGTH,
+                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                                    SamplingParams, request_seed)
 
 sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "mode", "logprobs_mode"))
 

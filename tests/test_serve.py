@@ -1113,7 +1113,7 @@ def test_health_answers_while_a_request_with_the_most_stop_strings_runs(keyed_ur
     characters, none of which occurs) runs to the end, and /health answers while it is in
     flight (held at a step after its first output). What such a set costs per character is
     counted in tests/test_detokenizer.py."""
-    from jpaged.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+    from jpaged.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
     headers = {"Authorization": f"Bearer {API_KEY}"}
     stops = [chr(0x4E00 + i) * MAX_STOP_LENGTH for i in range(MAX_STOP_STRINGS)]

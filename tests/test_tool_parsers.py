@@ -8,7 +8,7 @@ import tokenizers
 
 from jpaged.engine.builder import default_model_dir
 from jpaged.request import CompletionOutput, RequestOutput
-from jpaged.sampling import SamplingParams
+from jpaged.sampling_params import SamplingParams
 from jpaged.serve import tools_api
 from jpaged.serve.errors import APIError
 from jpaged.serve.chat import ChatTemplate

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from jpaged.request import CompletionOutput, RequestOutput
-from jpaged.sampling import SamplingParams
+from jpaged.sampling_params import SamplingParams
 from jpaged.serve import tool_stream, tools_api
 from jpaged.serve.openai_api import ModelInfo, ParsedRequest
 from jpaged.serve.replies import ReplyBuilder

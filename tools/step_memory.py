@@ -21,7 +21,8 @@ from jpaged.config import ModelConfig  # noqa: E402
 from jpaged.engine.builder import build_engine_config  # noqa: E402
 from jpaged.engine.executor import Executor  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
-from jpaged.sampling import SamplingParams, SamplingRow  # noqa: E402
+from jpaged.sampling import SamplingRow  # noqa: E402
+from jpaged.sampling_params import SamplingParams  # noqa: E402
 
 
 def analyse(lowered, label, kv_bytes, weight_bytes):

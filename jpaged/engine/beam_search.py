@@ -5,7 +5,7 @@ Semantics (transformers 5.x `GenerationMixin._beam_search`, `early_stopping=Fals
 - Each step keeps the K = max(2, 1 + number of EOS ids) * W best continuations over all beams by
   cumulative logprob (log_softmax of the raw logits, summed). The top K of one beam's vocabulary
   are enough to find the top K over all beams, so the sampler's top-logprob list serves (K must not
-  exceed `sampling.MAX_LOGPROBS`).
+  exceed `sampling_params.MAX_LOGPROBS`).
 - A continuation that ends (an EOS token, or the length limit) becomes a finished hypothesis only
   if its rank among the K is below W; its score is cum_logprob / generated_length ** length_penalty,
   the generated length counting the EOS token. The W best hypotheses are kept.
@@ -28,7 +28,8 @@ import numbers
 from typing import NamedTuple
 
 from jpaged.detokenizer import IncrementalDetokenizer
-from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow
+from jpaged.sampling import SamplingRow
+from jpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ from jpaged.engine.executable_store import Store
 from jpaged.engine.programs import Programs
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
-from jpaged.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow
+from jpaged.sampling import SamplingRow
+from jpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jpaged.structured_outputs import LoopMatchers, allowed_masks
 
 

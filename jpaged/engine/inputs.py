@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 
 from jpaged.request import Request
-from jpaged.sampling import (MAX_LOGPROBS, MAX_TEMPERATURE, RequestOutputKind, SamplingParams,
-                             request_seed)
+from jpaged.sampling_params import (MAX_LOGPROBS, MAX_TEMPERATURE, RequestOutputKind,
+                                    SamplingParams, request_seed)
 from jpaged.structured_outputs import ConstraintCompiler
 
 

@@ -11,7 +11,7 @@ import dataclasses
 from jpaged.detokenizer import IncrementalDetokenizer
 from jpaged.request import (CompletionOutput, Logprob, Request, RequestOutput, Samples,
                             Sequence)
-from jpaged.sampling import RequestOutputKind
+from jpaged.sampling_params import RequestOutputKind
 
 
 @dataclasses.dataclass

@@ -15,7 +15,8 @@ import sys
 import threading
 
 from jpaged.blocks.ops import OPERATIONS, bucket_sizes
-from jpaged.sampling import SAMPLER_MODES, SamplingParams, SamplingRow
+from jpaged.sampling import SAMPLER_MODES, SamplingRow
+from jpaged.sampling_params import SamplingParams
 
 _MODE_ROWS = {  # a row that needs exactly this sampler mode
     "greedy": SamplingRow(SamplingParams(temperature=0.0), 0, 0, 0),

@@ -30,7 +30,7 @@ from jpaged.integrations.tunix_weights import check_configs, hf_weights, model_c
 from jpaged.llm import LLM
 from jpaged.models.weights import model_from_weights
 from jpaged.options import LOADING_OPTIONS, OptionError, check_options
-from jpaged.sampling import SamplingParams
+from jpaged.sampling_params import SamplingParams
 
 
 # Decode steps per device loop unless the options say otherwise. A rollout hands the engine

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jpaged.engine.llm_engine import LLMEngine
-from jpaged.sampling import RequestOutputKind
+from jpaged.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from jpaged.serve import structured_api, tools_api
 from jpaged.serve.chat import ChatTemplate, chat_messages
 from jpaged.serve.errors import APIError
 from jpaged.serve.fields import body_field
-from jpaged.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from jpaged.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
                     "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias",
