@@ -130,13 +130,15 @@ class IncrementalDetokenizer:
 
         After a match, later calls consume nothing and return ("", True).
         """
+        if self._tokenizer is None:   # no text, so no stop string ever matches
+            self.num_tokens += len(token_ids)
+            return "", False
         for token_id in token_ids:
             if self.is_stopped:
                 break
             self.num_tokens += 1
-            if self._tokenizer is not None:
-                self._token_ids.append(int(token_id))
-                self._extend_text(self._decode_pending(allow_incomplete=False))
+            self._token_ids.append(int(token_id))
+            self._extend_text(self._decode_pending(allow_incomplete=False))
         return self._take_delta(), self.is_stopped
 
     def flush(self) -> str:

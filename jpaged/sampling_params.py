@@ -162,6 +162,12 @@ class SamplingParams:
     tokens marked special) out of the output text; False keeps them in, e.g. a tool-call marker
     such as Llama 3.1's <|python_tag|>. Either way the token that ended the request (EOS or one
     of `stop_token_ids`) is not part of the text, as in vLLM; token ids are the same both ways.
+
+    `detokenize` (vLLM's, default True): False leaves every output's text empty and turns no
+    token into text as it comes, for a caller that reads token ids only (an RL rollout decodes
+    its samples itself): the host work of incremental detokenization, most of the output
+    processing of a decode loop, is not done. Stop strings are matched on that text, so they
+    are refused with detokenize=False; stop ids, EOS, max_tokens and structured outputs work.
     """
     n: int = 1
     temperature: float = 1.0
@@ -179,6 +185,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
     structured_outputs: StructuredOutputsParams | Mapping | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self):
         fields = {
@@ -212,9 +219,12 @@ class SamplingParams:
         if fields["prompt_logprobs"] is not None and fields["prompt_logprobs"] > MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, "
                              f"got {self.prompt_logprobs!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if fields["stop"] and not self.detokenize:
+            raise ValueError(f"stop strings are matched on the output text: stop={self.stop!r} "
+                             "needs detokenize=True")
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 

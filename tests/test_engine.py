@@ -35,6 +35,17 @@ def engine_for(path, **options):
     return LLMEngine.from_pretrained(path, **(defaults | options))
 
 
+def run_all_steps(engine, max_steps=2000) -> list:
+    """Every output of every step until the engine is idle."""
+    outputs = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        outputs += engine.step()
+    assert not engine.has_unfinished()
+    return outputs
+
+
 def run_to_completion(engine, max_steps=2000):
     outputs = {}
     for _ in range(max_steps):
@@ -213,6 +224,43 @@ def test_stop_string_truncates_text(hf_checkpoints):
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == free_text[:free_text.index(stop)]
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_detokenize_off_gives_the_same_tokens_with_no_text(hf_checkpoints, num_scheduler_steps):
+    """detokenize=False (vLLM's): the same token ids, logprobs and finish reasons as with text
+    (a stop id, max_tokens, n = 2 sampled, each output kind), every text empty; a stop string
+    with it is refused by name."""
+    path = hf_checkpoints["llama_gqa"]
+    prompt = prompts_of([8], seed=7)[0]
+    stop_token = hf_greedy(path, tuple(prompt), 12)[3]
+    runs = {}
+    for detokenize in (True, False):
+        for kind in RequestOutputKind:
+            engine = engine_for(path, num_scheduler_steps=num_scheduler_steps)
+            for request_id, extra in (("stop", dict(temperature=0, stop_token_ids=[stop_token])),
+                                      ("n", dict(temperature=0.8, n=2, seed=3))):
+                engine.add_request(request_id, prompt_token_ids=prompt, params=SamplingParams(
+                    max_tokens=12, ignore_eos=True, logprobs=1, output_kind=kind,
+                    detokenize=detokenize, **extra))
+            runs[detokenize, kind] = [
+                (out.request_id, out.finished, [(c.index, c.text, c.token_ids, c.logprobs,
+                                                 c.finish_reason) for c in out.outputs])
+                for out in run_all_steps(engine)]
+    for kind in RequestOutputKind:
+        with_text, without = runs[True, kind], runs[False, kind]
+        assert [(rid, done, [(i, ids, lp, why) for i, _, ids, lp, why in outs])
+                for rid, done, outs in with_text] == \
+            [(rid, done, [(i, ids, lp, why) for i, _, ids, lp, why in outs])
+             for rid, done, outs in without]
+        assert all(text == "" for _, _, outs in without for _, text, *_ in outs)
+        assert any(text for _, _, outs in with_text for _, text, *_ in outs)
+    final = {rid: outs for rid, done, outs in runs[False, RequestOutputKind.FINAL_ONLY]}
+    assert [why for *_, why in final["stop"]] == ["stop"]
+    assert final["stop"][0][2][-1] == stop_token
+    assert [why for *_, why in final["n"]] == ["length", "length"]
+    with pytest.raises(ValueError, match="needs detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
 
 
 @pytest.mark.parametrize("num_scheduler_steps", [1, 4])

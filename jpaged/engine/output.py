@@ -38,7 +38,10 @@ class OutputProcessor:
         request.sequences[0].detokenizer = self._detokenizer(request)
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+        """The sequence's detokenizer; with detokenize=False one with no tokenizer, which
+        only counts tokens."""
+        tokenizer = self.tokenizer if request.params.detokenize else None
+        return IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
                                       request.params.stop,
                                       skip_special_tokens=request.params.skip_special_tokens)
 

@@ -176,7 +176,9 @@ class JpagedRollout(base_rollout.BaseRollout):
             max_tokens=config.max_tokens_to_generate, stop_token_ids=stops,
             # a seed per sample: the G samples of one prompt must differ
             seed=None if seed is None else seed + i,
-            logprobs=0 if config.return_logprobs else None) for i in range(count)]
+            logprobs=0 if config.return_logprobs else None,
+            # the samples' text is Tunix's tokenizer's decode (`generate`), not the engine's
+            detokenize=False) for i in range(count)]
 
     def _sample_logprobs(self, config, prompt_ids, tokens, outputs) -> list[np.ndarray]:
         is_filtered = (config.top_k not in (None, -1)) or (config.top_p not in (None, 1.0))
