@@ -122,12 +122,17 @@ class OutputProcessor:
         taken = tokens[:end]
         seq.token_ids.extend(taken)
         seq.cumulative_logprob += sum(samples.logprobs[:end])
-        if params.logprobs is not None:
-            for i, token in enumerate(taken):
-                entry = dict(zip(samples.top_ids[i, :params.logprobs].tolist(),
-                                 samples.top_logprobs[i, :params.logprobs].tolist()))
-                entry[token] = samples.logprobs[i]
+        if params.logprobs:   # the top k first, then the token's own (if not among them)
+            top_ids = samples.top_ids[:end, :params.logprobs].tolist()
+            top_logprobs = samples.top_logprobs[:end, :params.logprobs].tolist()
+            for ids, values, token, logprob in zip(top_ids, top_logprobs, taken,
+                                                   samples.logprobs):
+                entry = dict(zip(ids, values))
+                entry[token] = logprob
                 seq.logprobs.append(entry)
+        elif params.logprobs == 0:
+            seq.logprobs.extend({token: logprob}
+                                for token, logprob in zip(taken, samples.logprobs))
         self.num_generated_tokens += end
         if hit_stop_string or is_complete or (taken and taken[-1] in stop_ids):
             seq.finish_reason = "stop"
