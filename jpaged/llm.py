@@ -55,9 +55,15 @@ class LLM:
         inputs = ([dict(prompt=p) for p in prompts] if prompts is not None
                   else [dict(prompt_token_ids=ids) for ids in prompt_token_ids])
         params = self._params_list(sampling_params, len(inputs))
-        # generate returns only finished outputs: no per-step output is built (vLLM does too)
-        params = [dataclasses.replace(param, output_kind=RequestOutputKind.FINAL_ONLY)
-                  if isinstance(param, SamplingParams) else param for param in params]
+        # generate returns only finished outputs: no per-step output is built (vLLM does too);
+        # each distinct params object is replaced once (replacing validates every field again)
+        final_only = {}
+        for param in params:
+            if isinstance(param, SamplingParams) and id(param) not in final_only:
+                final_only[id(param)] = (
+                    param if param.output_kind == RequestOutputKind.FINAL_ONLY
+                    else dataclasses.replace(param, output_kind=RequestOutputKind.FINAL_ONLY))
+        params = [final_only.get(id(param), param) for param in params]
         request_ids = [f"gen-{next(self._ids)}" for _ in inputs]
         # All checked (each prompt tokenized once) before any is queued: a bad prompt must not
         # leave the others running.

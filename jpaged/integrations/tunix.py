@@ -30,7 +30,7 @@ from jpaged.integrations.tunix_weights import check_configs, hf_weights, model_c
 from jpaged.llm import LLM
 from jpaged.models.weights import model_from_weights
 from jpaged.options import LOADING_OPTIONS, OptionError, check_options
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 # Decode steps per device loop unless the options say otherwise. A rollout hands the engine
@@ -177,6 +177,7 @@ class JpagedRollout(base_rollout.BaseRollout):
             # a seed per sample: the G samples of one prompt must differ
             seed=None if seed is None else seed + i,
             logprobs=0 if config.return_logprobs else None,
+            output_kind=RequestOutputKind.FINAL_ONLY,   # what LLM.generate runs with
             # the samples' text is Tunix's tokenizer's decode (`generate`), not the engine's
             detokenize=False) for i in range(count)]
 
