@@ -229,8 +229,8 @@ def test_stop_string_truncates_text(hf_checkpoints):
 @pytest.mark.parametrize("num_scheduler_steps", [1, 4])
 def test_detokenize_off_gives_the_same_tokens_with_no_text(hf_checkpoints, num_scheduler_steps):
     """detokenize=False (vLLM's): the same token ids, logprobs and finish reasons as with text
-    (a stop id, max_tokens, n = 2 sampled, each output kind), every text empty; a stop string
-    with it is refused by name."""
+    (a stop id, max_tokens, n = 2 sampled, each output kind), every text empty; prompt logprobs
+    the same without their tokens' text; a stop string with it is refused by name."""
     path = hf_checkpoints["llama_gqa"]
     prompt = prompts_of([8], seed=7)[0]
     stop_token = hf_greedy(path, tuple(prompt), 12)[3]
@@ -261,6 +261,14 @@ def test_detokenize_off_gives_the_same_tokens_with_no_text(hf_checkpoints, num_s
     assert [why for *_, why in final["n"]] == ["length", "length"]
     with pytest.raises(ValueError, match="needs detokenize=True"):
         SamplingParams(stop=["x"], detokenize=False)
+    llm = LLM(path, num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
+    scored = [llm.generate(prompt_token_ids=prompt, use_tqdm=False, sampling_params=SamplingParams(
+        max_tokens=1, prompt_logprobs=1, detokenize=detokenize))[0].prompt_logprobs[1:]
+        for detokenize in (True, False)]
+    assert [{t: (e.logprob, e.rank) for t, e in entry.items()} for entry in scored[0]] == \
+        [{t: (e.logprob, e.rank) for t, e in entry.items()} for entry in scored[1]]
+    assert all(isinstance(e.decoded_token, str) for entry in scored[0] for e in entry.values())
+    assert all(e.decoded_token is None for entry in scored[1] for e in entry.values())
 
 
 @pytest.mark.parametrize("num_scheduler_steps", [1, 4])

@@ -11,6 +11,11 @@ from jpaged.sampling_params import (MAX_LOGPROBS, MAX_TEMPERATURE, RequestOutput
                                     SamplingParams, request_seed)
 from jpaged.structured_outputs import ConstraintCompiler
 
+# A scoring request (`InputProcessor.score_item`): one greedy token, the prompt's logprobs, no
+# text (its caller reads arrays).
+SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
+                              output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+
 
 class InputProcessor:
     """Turns (prompt or prompt_token_ids, SamplingParams) into a `Request` ready to queue."""
@@ -145,7 +150,6 @@ class InputProcessor:
                 or not 0 < temperature <= MAX_TEMPERATURE):
             raise ValueError(f"temperature must be in (0, {MAX_TEMPERATURE:g}], "
                              f"got {temperature!r}")
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-        return dict(request_id=request_id, prompt_token_ids=prompt + completion, params=params,
+        return dict(request_id=request_id, prompt_token_ids=prompt + completion,
+                    params=SCORE_PARAMS,
                     score_from=len(prompt), score_temperature=float(temperature))

@@ -148,16 +148,17 @@ class OutputProcessor:
         1 .. k, the token's own from the device). A token that already has one (a chunk run
         again after preemption) keeps it."""
         k, entries = request.params.prompt_logprobs, request.prompt_logprobs
+        text_of = self._token_text if request.params.detokenize else lambda token_id: None
         for offset, token in enumerate(samples.token_ids):
             index = first + 1 + offset
             entries.extend([None] * (index - len(entries)))
             if index == len(entries):
                 top = zip(samples.top_ids[offset, :k].tolist(),
                           samples.top_logprobs[offset, :k].tolist())
-                entry = {token_id: Logprob(logprob, rank, self._token_text(token_id))
+                entry = {token_id: Logprob(logprob, rank, text_of(token_id))
                          for rank, (token_id, logprob) in enumerate(top, 1)}
                 entry[token] = Logprob(samples.logprobs[offset], samples.ranks[offset],
-                                       self._token_text(token))
+                                       text_of(token))
                 entries.append(entry)
 
     def _token_text(self, token_id: int) -> str | None:
