@@ -220,6 +220,42 @@ def test_a_warm_start_takes_its_programs_from_the_store_without_lowering(tmp_pat
     assert any("unreadable stored program" in str(w.message) for w in caught)
 
 
+def test_a_dispatch_takes_its_program_from_the_queue_instead_of_waiting_behind_it():
+    """A program still queued behind a busy pool (warm-up's later shapes, when a request comes
+    in early) is compiled by the dispatch that needs it, at once, and only once: the pool
+    skips it when its turn comes."""
+    programs.wait_idle()
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def hold():
+        started.release()
+        release.wait(600)
+
+    programs._POOL.submit(lambda: None)   # the pool's threads exist from the first submit
+    num_threads = len(programs._POOL._threads)
+    for _ in range(num_threads):
+        programs._POOL.submit(hold)
+    traced, results = [], []
+    program = jax.jit(lambda x: (traced.append(x.shape), x * 2)[1])
+    x = jnp.arange(4.0)
+    table = programs.Programs()
+    try:
+        for _ in range(num_threads):   # every pool thread is held
+            assert started.acquire(timeout=300)
+        future = table.submit(("double",), program, (x,), {})
+        waiter = threading.Thread(target=lambda: results.append(
+            table.executable(("double",), program, (x,), {})))
+        waiter.start()
+        waiter.join(300)   # without the take-over it waits for the held pool (600 s)
+        assert not waiter.is_alive() and future.done()
+    finally:
+        release.set()
+    programs.wait_idle()
+    executable, is_new = results[0]
+    assert not is_new and traced == [(4,)] and table.num_compiled == 1
+    assert executable(x).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
 def test_the_pool_lowers_a_bounded_number_at_once_and_a_dispatch_never_waits(monkeypatch):
     """Pool threads trace and lower at most LOWERING_THREADS programs at a time (here 1, so
     even a 2-core machine's two pool threads would overlap without the bound); a program

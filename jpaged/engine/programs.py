@@ -3,7 +3,9 @@ programs, on a thread pool (warm-up in the background) or on demand, the executa
 dispatch calls, and the accounting (programs, compile seconds, persistent-cache hits).
 
 A program is compiled once per key and engine: a dispatch whose program is still compiling on the
-pool waits for that compile, it never starts a second one. Executables are also shared between
+pool waits for that compile, it never starts a second one; a dispatch whose program is still
+queued on the pool takes it and compiles it at once (a request arriving during warm-up never
+waits behind the programs queued before its own). Executables are also shared between
 engines of one process (the same program, static arguments and argument shapes), as jit's own
 cache shared them before compilation moved ahead of time. XLA releases the GIL while it
 compiles, so the pool's threads compile in parallel; tracing and lowering take turns on it.
@@ -206,6 +208,7 @@ class Programs:
         self.store = store
         self._lock = threading.Lock()
         self._entries: dict[tuple, Future] = {}
+        self._queued: dict[tuple, tuple] = {}   # key -> (program, specs, static): not yet taken
         self.strict = False
         self.compile_seconds = 0.0   # summed over threads, compiles of this engine only
         self.num_compiled = 0        # compiled (or loaded from the persistent cache) here
@@ -265,9 +268,9 @@ class Programs:
 
     def executable(self, key: tuple, program, args: tuple, static: dict, *,
                    recompile: bool = False):
-        """(the compiled program of `key`, is_new). A new key compiles here and now; a key
-        compiling on the pool is waited for. recompile: a key dropped just now (strict
-        compilation allows it)."""
+        """(the compiled program of `key`, is_new). A new key compiles here and now, and so
+        does one still queued on the pool (taken from it); a key compiling on the pool is
+        waited for. recompile: a key dropped just now (strict compilation allows it)."""
         with self._lock:
             future = self._entries.get(key)
             is_new = future is None
@@ -276,18 +279,31 @@ class Programs:
                     raise RuntimeError(f"shape {key} was not compiled at warm-up and strict "
                                        "compilation is on")
                 future = self._entries[key] = Future()
+            job = self._queued.pop(key, None)
         if is_new:
             self._resolve(future, program, argument_specs(args), static)
+        elif job is not None:
+            self._resolve(future, *job)
         return future.result(), is_new
 
     def submit(self, key: tuple, program, args: tuple, static: dict) -> Future:
-        """Compile `key` on the pool (unless known); its Future."""
+        """Compile `key` on the pool (unless known); its Future. Until a pool thread takes it,
+        a dispatch that needs it compiles it itself (`executable`)."""
+        specs = argument_specs(args)
         with self._lock:
             if key in self._entries:
                 return self._entries[key]
             future = self._entries[key] = Future()
-        _POOL.submit(self._resolve, future, program, argument_specs(args), static)
+            self._queued[key] = (program, specs, static)
+        _POOL.submit(self._take_queued, key, future)
         return future
+
+    def _take_queued(self, key: tuple, future: Future):
+        """A pool thread's turn at a submitted program, unless a dispatch has taken it."""
+        with self._lock:
+            job = self._queued.pop(key, None)
+        if job is not None:
+            self._resolve(future, *job)
 
     def pending(self) -> list[Future]:
         with self._lock:
