@@ -136,24 +136,17 @@ class Timings:
 
 def engine(args) -> list[dict]:
     import tokenizers
-    from flax import nnx
 
-    from benchmarks.structured import SCHEMAS, build_engine, run_batch, train_tokenizer
-    from jpaged import SamplingParams, StructuredOutputsParams
+    from benchmarks.structured import (SCHEMAS, batch_inputs, build_engine, constrained_params,
+                                       run_batch, train_tokenizer)
     from jpaged.config import ModelConfig
-    from jpaged.models.llama import LlamaForCausalLM
 
     timings = Timings()
     config = ModelConfig.preset(args.model)
-    eos = config.vocab_size - 1
     tokenizer = (tokenizers.Tokenizer.from_file(args.tokenizer) if args.tokenizer
                  else train_tokenizer(config.vocab_size, Path(args.out_dir) / "tokenizer.json"))
-    model = LlamaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(10, eos, 128).tolist() for _ in range(ROWS)]
-    plain = SamplingParams(temperature=1.0, seed=0, max_tokens=256, ignore_eos=True)
-    constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=256, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(json=SCHEMAS["enum"]))
+    model, prompts, plain = batch_inputs(config, ROWS, 256)
+    constrained = constrained_params(plain, SCHEMAS["enum"])
     mixed = [constrained] * 16 + [plain] * (ROWS - 16)
     run = build_engine(model, tokenizer, argparse.Namespace(batch=ROWS), 8)
     rows = []

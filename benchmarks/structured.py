@@ -21,6 +21,7 @@ Usage: python benchmarks/structured.py --model llama3-8b --out-dir results/
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -127,6 +128,23 @@ def host_costs(tokenizer, vocab_size: int, eos_ids, schema: dict, rows: int) -> 
                 masks=float(np.median(times)))
 
 
+def batch_inputs(config, batch: int, max_tokens: int):
+    """(a random bf16 model of config, `batch` random 128-token prompts, the unconstrained
+    rows' params: temperature 1, max_tokens, EOS ignored)."""
+    model = LlamaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(10, config.vocab_size - 1, 128).tolist() for _ in range(batch)]
+    plain = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
+    return model, prompts, plain
+
+
+def constrained_params(plain: SamplingParams, schema: dict) -> SamplingParams:
+    """plain constrained by a JSON schema. EOS stays ignored: the trained tokenizer's tokens at
+    the preset's EOS ids are ordinary text, which a constrained row could sample inside a
+    string; it ends when the schema is complete."""
+    return dataclasses.replace(plain, structured_outputs=StructuredOutputsParams(json=schema))
+
+
 def build_engine(model, tokenizer, args, num_steps: int):
     return LLMEngine.from_model(
         model, tokenizer, max_num_seqs=args.batch, max_model_len=1024,
@@ -161,7 +179,6 @@ def main(argv=None):
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = ModelConfig.preset(args.model)
-    eos = config.vocab_size - 1
     if args.tokenizer:
         tokenizer = tokenizers.Tokenizer.from_file(args.tokenizer)
     else:
@@ -169,10 +186,7 @@ def main(argv=None):
     costs = {name: host_costs(tokenizer, config.vocab_size, config.eos_token_ids, schema,
                               args.batch) for name, schema in SCHEMAS.items()}
     print(json.dumps(costs), flush=True)
-    model = LlamaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(10, eos, 128).tolist() for _ in range(args.batch)]
-    plain = SamplingParams(temperature=1.0, seed=0, max_tokens=args.max_tokens, ignore_eos=True)
+    model, prompts, plain = batch_inputs(config, args.batch, args.max_tokens)
     rows = []
     engine = build_engine(model, tokenizer, args, 1)
     rows.append(timed_row(engine, prompts, [plain] * args.batch, "none, K=1", 0))
@@ -182,12 +196,7 @@ def main(argv=None):
     rows.insert(0, timed_row(engine, prompts, [plain] * args.batch,
                              f"none, K={args.num_scheduler_steps}", 0))
     for schema_name, schema in SCHEMAS.items():
-        # EOS ignored: the trained tokenizer's tokens at the preset's EOS ids are ordinary
-        # text, which a constrained row could sample inside a string; it ends when the schema
-        # is complete.
-        constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=args.max_tokens,
-                                     ignore_eos=True,
-                                     structured_outputs=StructuredOutputsParams(json=schema))
+        constrained = constrained_params(plain, schema)
         for fraction in map(float, args.fractions.split(",")):
             count = round(fraction * args.batch)
             params = [constrained] * count + [plain] * (args.batch - count)
