@@ -9,7 +9,9 @@ micro: a jitted loop of 8 iterations, each `--layers` matmuls of [64, D] x [D, D
   call returns as soon as it is queued), and the median time between two callbacks of one
   loop (an iteration's time with its callback). With `busy`, the calling thread runs Python
   for 30 ms after the call returns (a host processing results), at the interpreter's switch
-  interval given.
+  interval given; with `threaded`, the loop is dispatched from a thread of its own (as the
+  engine dispatches a constrained loop), so the calling thread is busy while the loop runs and
+  its callbacks wait for the interpreter's lock.
 engine: `benchmarks/structured.py`'s batch (Llama-3-8B shape, random bf16 weights, 64 requests
   of 128 random prompt tokens, temperature 1, 256 tokens, K = 8, asynchronous scheduling), all
   rows unconstrained and then 16 of them constrained by its "enum" schema (that row twice).
@@ -23,6 +25,7 @@ Usage: python benchmarks/constrained_loop.py {micro,engine} [--tokenizer tokeniz
 """
 
 import argparse
+import concurrent.futures
 import gc
 import json
 import sys
@@ -75,29 +78,32 @@ def micro(args) -> list[dict]:
     weights = [jax.random.normal(jax.random.key(layer), (args.hidden, args.hidden),
                                  jnp.bfloat16) * 0.01 for layer in range(args.layers)]
     rows, stamps = [], []
+    launcher = concurrent.futures.ThreadPoolExecutor(1)
     for kind in ("none", "small", "mask"):
         loop = micro_loop(kind, args.layers, stamps)
         jax.block_until_ready(loop(x, weights))
-        variants = ([(False, 0.005)] if kind == "none"
-                    else [(busy, interval) for busy in (False, True) for interval in (0.005, 2e-4)])
-        for busy, interval in variants:
+        variants = ([(False, False, 0.005)] if kind == "none"
+                    else [(False, busy, interval) for busy in (False, True)
+                          for interval in (0.005, 2e-4)]
+                    + [(True, True, interval) for interval in (0.005, 2e-4)])
+        for threaded, busy, interval in variants:
             sys.setswitchinterval(interval)
             times, calls, gaps = [], [], []
             for _ in range(15):
                 stamps.clear()
                 start = time.perf_counter()
-                out = loop(x, weights)
+                out = launcher.submit(loop, x, weights) if threaded else loop(x, weights)
                 calls.append(time.perf_counter() - start)
                 if busy:
                     end = time.perf_counter() + 0.03
                     while time.perf_counter() < end:
                         sum(range(100))
-                jax.block_until_ready(out)
+                jax.block_until_ready(out.result() if threaded else out)
                 times.append(time.perf_counter() - start)
                 if len(stamps) == ITERATIONS:
                     gaps.append((stamps[-1] - stamps[0]) / (ITERATIONS - 1))
             sys.setswitchinterval(0.005)
-            row = dict(kind=kind, busy=busy, interval=interval,
+            row = dict(kind=kind, threaded=threaded, busy=busy, interval=interval,
                        loop_ms=float(np.median(times) * 1e3),
                        call_returns_ms=float(np.median(calls) * 1e3),
                        iteration_ms=float(np.median(gaps) * 1e3) if gaps else None)

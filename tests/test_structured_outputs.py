@@ -5,6 +5,7 @@ the engine, whose outputs must parse, validate and end when the constraint is co
 import collections
 import json
 import re
+import threading
 
 import jax
 import jsonschema
@@ -252,6 +253,47 @@ def test_constrained_rows_keep_the_decode_loop(llm, monkeypatch, async_schedulin
         jsonschema.validate(json.loads(out[0].text), SCHEMA)
         assert out[0].finish_reason == "stop"
     assert outputs[4][0].text in ("left", "right") and outputs[4][0].finish_reason == "stop"
+
+
+@pytest.mark.gpu_suite
+def test_a_constrained_loop_runs_while_the_engine_goes_on(monkeypatch):
+    """A loop holding the matchers' host callback runs inside the call that dispatches it, so
+    the executor dispatches it from a thread of its own: the step that launches one returns
+    while the loop is held in its first callback, and the batch then ends as it would."""
+    llm = LLM(None, block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
+              max_model_len=256, num_scheduler_steps=4, async_scheduling=True)
+    engine = llm.engine
+    gate, waited, advance = threading.Event(), [], engine.executor.loop_matchers.advance
+
+    def held_once(*args):
+        if not waited:
+            waited.append(gate.wait(timeout=120))
+        return advance(*args)
+
+    # Before the loop is traced: its program calls the callback it was traced with.
+    monkeypatch.setattr(engine.executor.loop_matchers, "advance", held_once)
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=80,
+                             structured_outputs=Structured(json=SCHEMA)),
+              SamplingParams(temperature=0.9, seed=8, max_tokens=30, ignore_eos=True)]
+    expected = _generate(LLM(None, block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
+                             max_model_len=256, num_scheduler_steps=4, async_scheduling=False),
+                         ["def f(", "class A:"], params)
+    engine.add_request("constrained", "def f(", params[0])
+    engine.add_request("plain", "class A:", params[1])
+    for _ in range(4):
+        if engine.pipeline.loops:
+            break
+        engine.step()
+    assert engine.pipeline.loops and not waited   # a loop is launched and held in its callback
+    gate.set()
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert waited == [True]
+    assert outputs["constrained"].outputs[0].token_ids == expected[0][0].token_ids
+    assert outputs["plain"].outputs[0].token_ids == expected[1][0].token_ids
+    jsonschema.validate(json.loads(outputs["constrained"].outputs[0].text), SCHEMA)
+    assert int(engine.executor.manager.num_free) == engine.ledger.mirror.num_free
 
 
 def test_max_tokens_before_the_end_is_length(llm):

@@ -7,7 +7,8 @@ One step takes one host-to-device transfer (its `StepInputs` packed into one buf
 one device-to-host transfer of the sampled tokens; a decode loop likewise, and a chained loop one
 small transfer of keep flags. The programs DONATE the block-manager state and the KV cache, so
 XLA updates both in place; the executor's references to the old buffers are replaced by the
-returned ones on every call.
+returned ones on every call. A decode loop holding a host callback (constrained rows) is
+dispatched from a thread of its own (`launcher.py`); reading `manager` or `cache` waits for it.
 
 Shapes are padded to buckets (powers of two between a floor and a cap) so the number of
 compilations is bounded: tokens T, sequences B and sampled rows R; decode-only steps use T = B.
@@ -20,6 +21,7 @@ import dataclasses
 import functools
 import time
 import types
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -32,6 +34,7 @@ from jpaged.engine.device_step import (DecodeResult, decode_loop, fresh_result, 
                                        result_layout, split_model, step_program, unpack_host)
 from jpaged.engine import batch_arrays, compile_cache, warmup
 from jpaged.engine.executable_store import Store
+from jpaged.engine.launcher import Launcher, resolved
 from jpaged.engine.programs import Programs
 from jpaged.models.weights import checkpoint_weights, new_parameters, parameter_names
 from jpaged.request import Samples
@@ -59,16 +62,24 @@ def _token_masks(rows) -> dict:
 
 @dataclasses.dataclass
 class LaunchedLoop:
-    """A dispatched decode loop: the packed inputs it ran on the device and its (not yet fetched)
-    packed results (a `DecodeResult` laid out by `result_layout`)."""
-    packed: jax.Array
+    """A dispatched decode loop. `dispatched` resolves to (the packed inputs it ran on the device,
+    its not yet fetched packed results: a `DecodeResult` laid out by `result_layout`) once the
+    call that dispatched it has returned: at once, unless the loop went to the launcher thread."""
+    dispatched: Future
     layout: tuple
     batch: tuple        # (rows, stop-id width, logit-bias width, mask width) buckets
-    result: jax.Array
     result_layout: tuple
     static: dict
     num_rows: int
     start: float
+
+    @property
+    def packed(self) -> jax.Array:
+        return self.dispatched.result()[0]
+
+    @property
+    def result(self) -> jax.Array:
+        return self.dispatched.result()[1]
 
 
 class Executor:
@@ -79,6 +90,7 @@ class Executor:
     """
 
     def __init__(self, model, config):
+        self.launcher = Launcher()
         model_config = model.config
         self.compilation_cache_dir = compile_cache.configure(config.compilation_cache_dir)
         self.model_def, self.param_leaves = split_model(model)
@@ -130,6 +142,29 @@ class Executor:
         # The last step's device part (inputs to the device, the compiled call or loop, results
         # back): (when it began, when its results were on the host), perf_counter seconds.
         self.last_device_window = (0.0, 0.0)
+
+    # ---- device state, once the loops on the launcher thread handed it on --------------------
+    @property
+    def manager(self):
+        """The block-manager state (`allocator.init_state`'s pytree)."""
+        self.launcher.settle()
+        return self._manager
+
+    @manager.setter
+    def manager(self, value):
+        self.launcher.settle()
+        self._manager = value
+
+    @property
+    def cache(self):
+        """The paged KV cache (`kv_cache.init_cache`)."""
+        self.launcher.settle()
+        return self._cache
+
+    @cache.setter
+    def cache(self, value):
+        self.launcher.settle()
+        self._cache = value
 
     # ---- block operations, in the ledger's order --------------------------------------------
     def apply(self, ops: list[BlockOp]):
@@ -284,9 +319,11 @@ class Executor:
         row, or None (only with `loop_matchers`: no loop is in flight).
         """
         with self._unchanged_on_failure():
-            return self._launch(*self.decode_inputs(rows, sampling_rows, remaining, stop_ids,
-                                                    num_steps, max_steps, max_model_len,
-                                                    num_logprobs, constraints), len(rows))
+            packed, fresh, control, layout, batch, static = self.decode_inputs(
+                rows, sampling_rows, remaining, stop_ids, num_steps, max_steps, max_model_len,
+                num_logprobs, constraints)
+            return self._launch(resolved((packed, fresh)), control, layout, batch, static,
+                                len(rows))
 
     def decode_inputs(self, rows, sampling_rows, remaining, stop_ids, num_steps: int,
                       max_steps: int, max_model_len: int, num_logprobs: int,
@@ -317,7 +354,7 @@ class Executor:
         """Dispatch the next loop straight from the previous one's device results (its last
         tokens, its live rows), without waiting for them: rows finished on the device stay out,
         and so do rows whose `keep` [rows] flag is False (finished on the host)."""
-        return self._launch(previous.packed, previous.result,
+        return self._launch(previous.dispatched,
                             self._control(previous.batch[0], keep, num_steps), previous.layout,
                             previous.batch, previous.static, previous.num_rows)
 
@@ -359,29 +396,53 @@ class Executor:
         return jax.device_put(host_array, self.input_sharding
                               or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
-    def _launch(self, packed, previous_result, control, layout, batch, static,
+    def _launch(self, inputs: Future, control, layout, batch, static,
                 num_rows) -> "LaunchedLoop":
-        """batch: (rows, stop-id width, logit-bias width) buckets of the loop's inputs."""
+        """Dispatch a loop. inputs: resolves to (its packed inputs, the result it continues
+        from); batch: (rows, stop-id width, logit-bias width, mask width) buckets.
+
+        A loop advancing constrained rows' matchers (a host callback) goes to the launcher
+        thread, behind the loops already there, since the call dispatching it returns only when
+        it ends. Its program is compiled here first when its shape is new, so a compilation
+        error is this call's; it runs on the parameters of now."""
         start = time.perf_counter()
-        key, program, args, kwargs = self.loop_call(packed, previous_result, control, layout,
-                                                    batch, static)
-        self.manager, self.cache, result, packed = self.dispatch(key, program, *args, **kwargs)
+        self.last_step_compiled = self._loop_key(batch, static) not in self.programs
+        if static["matchers"] is None:
+            dispatched = resolved(self._dispatch_loop(inputs, control, layout, batch, static,
+                                                      self.param_leaves))
+        else:
+            if self.last_step_compiled:
+                self.programs.executable(*self.loop_call(*inputs.result(), control, layout,
+                                                         batch, static))
+            dispatched = self.launcher.submit(self._dispatch_loop, inputs, control, layout,
+                                              batch, static, list(self.param_leaves))
+        layout_of_result = result_layout(static["max_steps"], batch[0], static["num_logprobs"])
+        return LaunchedLoop(dispatched, layout, batch, layout_of_result, static, num_rows, start)
+
+    def _dispatch_loop(self, inputs: Future, control, layout, batch, static,
+                       params) -> tuple:
+        """Run a loop's program; (its packed inputs, its result on the device)."""
+        call = self.loop_call(*inputs.result(), control, layout, batch, static, params=params)
+        (self.manager, self.cache, result, packed), _ = self.programs.run(*call)
         # Start the copy to the host now, queued behind this loop. Requested only at fetch time,
         # after the next loop was dispatched, it waited for that loop too on the H200 (a 55 ms
         # program's result took 140 ms to fetch behind a second one, 54 ms copied early).
         result.copy_to_host_async()
-        layout_of_result = result_layout(static["max_steps"], batch[0], static["num_logprobs"])
-        return LaunchedLoop(packed, layout, batch, result, layout_of_result, static, num_rows,
-                            start)
+        return packed, result
 
-    def loop_call(self, packed, previous_result, control, layout, batch, static) -> tuple:
-        """(key, program, args, static arguments) of a decode loop."""
-        key = ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
+    @staticmethod
+    def _loop_key(batch, static) -> tuple:
+        return ("decode", *batch, static["max_steps"], static["num_logprobs"], static["sampler"])
+
+    def loop_call(self, packed, previous_result, control, layout, batch, static, *,
+                  params=None) -> tuple:
+        """(key, program, args, static arguments) of a decode loop (params: the parameter
+        leaves it runs on, the executor's by default)."""
         kwargs = dict(layout=layout, model_def=self.model_def, backend=self.attention_backend,
                       interpret=self.interpret, **static)
-        return (key, decode_loop(batch[0], self.batch_invariant),
-                (self.param_leaves, self.manager, self.cache, packed, previous_result, control),
-                kwargs)
+        return (self._loop_key(batch, static), decode_loop(batch[0], self.batch_invariant),
+                (self.param_leaves if params is None else params, self.manager, self.cache,
+                 packed, previous_result, control), kwargs)
 
     def fetch_decode(self, launched: "LaunchedLoop", count: int) -> DecodeResult:
         """Wait for a launched loop; its results on the host, cut to the real rows."""
