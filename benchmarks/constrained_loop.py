@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jpaged import structured_outputs  # noqa: E402
 from jpaged.engine import executor as executor_module  # noqa: E402
+from jpaged.engine import llm_engine  # noqa: E402
 
 ROWS, MASK_WORDS, ITERATIONS = 64, 4008, 8
 
@@ -113,11 +114,25 @@ def micro(args) -> list[dict]:
 
 
 class Timings:
-    """The engine's loop launches and matcher callbacks, timed where they run."""
+    """The engine's loop launches, loop dispatches (on the launcher thread), matcher callbacks,
+    steps and result fetches, timed where they run."""
 
     def __init__(self):
         self.launches, self.callbacks = [], []
-        advance, launch = structured_outputs.LoopMatchers.advance, executor_module.Executor._launch
+        self.dispatches, self.steps, self.fetches = [], [], []
+        advance = structured_outputs.LoopMatchers.advance
+        Executor, LLMEngine = executor_module.Executor, llm_engine.LLMEngine
+
+        def timed(cls, name, into, with_start=False):
+            method = getattr(cls, name)
+
+            def wrapper(*args, **kwargs):
+                start = time.perf_counter()
+                out = method(*args, **kwargs)
+                end = time.perf_counter()
+                into.append((start, end) if with_start else end - start)
+                return out
+            setattr(cls, name, wrapper)
 
         def timed_advance(matchers, *args):
             start = time.perf_counter()
@@ -125,19 +140,44 @@ class Timings:
             self.callbacks.append((start, time.perf_counter() - start))
             return out
 
-        def timed_launch(executor, *args, **kwargs):
-            start = time.perf_counter()
-            out = launch(executor, *args, **kwargs)
-            self.launches.append(time.perf_counter() - start)
-            return out
-
         # Before any engine exists: a loop's executable holds the callback it was traced with.
         structured_outputs.LoopMatchers.advance = timed_advance
-        executor_module.Executor._launch = timed_launch
+        timed(Executor, "_launch", self.launches)
+        timed(Executor, "_dispatch_loop", self.dispatches, with_start=True)
+        timed(Executor, "fetch_decode", self.fetches, with_start=True)
+        timed(LLMEngine, "step", self.steps, with_start=True)
 
     def clear(self):
-        self.launches.clear()
-        self.callbacks.clear()
+        for timings in (self.launches, self.callbacks, self.dispatches, self.steps, self.fetches):
+            timings.clear()
+
+    def boundaries(self) -> dict:
+        """Medians (ms) at the boundary of two consecutive constrained loops dispatched on the
+        launcher thread: the first loop's call returning after its last callback, the next
+        dispatch starting after that, and its first callback coming after its dispatch began
+        (the loop's first iteration and what precedes it)."""
+        dispatches = sorted(self.dispatches)
+        stamps = np.array(sorted(start for start, _ in self.callbacks))
+        after_last, between, to_first = [], [], []
+        for (start, end), (next_start, next_end) in zip(dispatches, dispatches[1:]):
+            inside = stamps[(stamps >= start) & (stamps <= end)]
+            following = stamps[(stamps >= next_start) & (stamps <= next_end)]
+            if len(inside) and len(following):
+                after_last.append(end - inside[-1])
+                between.append(next_start - end)
+                to_first.append(following[0] - next_start)
+        median = (lambda values: float(np.median(values) * 1e3) if values else None)
+        return dict(after_last_callback_ms=median(after_last), between_dispatches_ms=median(between),
+                    to_first_callback_ms=median(to_first))
+
+    def host_busy_ms(self) -> float:
+        """The median step's time on the engine's thread less its waits for loop results."""
+        busy = []
+        for start, end in self.steps:
+            waits = sum(min(e, end) - max(s, start) for s, e in self.fetches
+                        if s < end and e > start)
+            busy.append(end - start - waits)
+        return float(np.median(busy) * 1e3) if busy else 0.0
 
 
 def engine(args) -> list[dict]:
@@ -156,11 +196,14 @@ def engine(args) -> list[dict]:
     mixed = [constrained] * 16 + [plain] * (ROWS - 16)
     run = build_engine(model, tokenizer, argparse.Namespace(batch=ROWS), 8)
     rows = []
-    for name, params in (("none", [plain] * ROWS), ("enum 25%", mixed),
-                         ("enum 25%, again", mixed)):
+    for name, params, interval in (("none", [plain] * ROWS, 0.005), ("enum 25%", mixed, 0.005),
+                                   ("enum 25%, again", mixed, 0.005),
+                                   ("enum 25%, switch interval 0.2 ms", mixed, 2e-4)):
         run_batch(run, prompts, params, f"warm {name}")
         timings.clear()
+        sys.setswitchinterval(interval)
         result = run_batch(run, prompts, params, f"timed {name}")
+        sys.setswitchinterval(0.005)
         starts = np.array([start for start, _ in timings.callbacks])
         gaps = np.diff(starts) * 1e3 if len(starts) > 1 else np.zeros(1)
         row = dict(name=name, tokens=result["tokens"], seconds=result["wall"],
@@ -170,7 +213,9 @@ def engine(args) -> list[dict]:
                    callbacks=len(timings.callbacks),
                    callback_ms=(float(np.median([d for _, d in timings.callbacks]) * 1e3)
                                 if timings.callbacks else None),
-                   gap_ms=[float(np.percentile(gaps, q)) for q in (50, 10, 90)])
+                   gap_ms=[float(np.percentile(gaps, q)) for q in (50, 10, 90)],
+                   steps=len(timings.steps), host_busy_ms=timings.host_busy_ms(),
+                   **timings.boundaries())
         print(json.dumps(row), flush=True)
         rows.append(row)
     del run

@@ -288,9 +288,10 @@ def decode_loop_impl(param_leaves, manager, cache, packed, previous_result, cont
     which are retired like rows that sampled a stop id. The last masks go back with the packed
     inputs, so a chained loop starts from them. The callback makes the device wait for the
     host once per iteration, only in loops with constrained rows: 0.2-0.35 ms an iteration on
-    an H100. Its larger price: a program holding a host callback runs inside the call that
-    dispatches it, so the host's work between loops does not overlap a constrained loop
-    (benchmarks/results/structured_h200.md). Iterations stop counting
+    an H100. A program holding a host callback also runs inside the call that dispatches it,
+    so the executor dispatches constrained loops from a thread of its own (`launcher.py`) and
+    the host's work between loops overlaps them (benchmarks/results/structured_h200.md).
+    Iterations stop counting
     when inputs.num_steps are done, every row has finished, or the pool cannot serve the next
     iteration (`out_of_blocks`, reported, never silent). Iteration i of the host's replay is
     exactly (append the rows live at i), which `HostBlockMirror` repeats.
