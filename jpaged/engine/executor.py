@@ -60,6 +60,24 @@ def _token_masks(rows) -> dict:
     return dict(zip(constrained, masks))
 
 
+class _HandedOn:
+    """An `Executor` attribute kept as `_<name>` and reached only once the loops submitted to
+    its launcher thread have run (`Launcher.settle`; at once on that thread)."""
+
+    def __set_name__(self, owner, name):
+        self.attribute = "_" + name
+
+    def __get__(self, executor, owner=None):
+        if executor is None:
+            return self
+        executor.launcher.settle()
+        return getattr(executor, self.attribute)
+
+    def __set__(self, executor, value):
+        executor.launcher.settle()
+        setattr(executor, self.attribute, value)
+
+
 @dataclasses.dataclass
 class LaunchedLoop:
     """A dispatched decode loop. `dispatched` resolves to (the packed inputs it ran on the device,
@@ -88,6 +106,10 @@ class Executor:
     model: an NNX model (its `config`, `mesh`). config: the engine's `EngineConfig`; unless
     preemption is by recompute only, `swap_space` GiB of host memory hold swapped-out blocks.
     """
+
+    # The device state the loops on the launcher thread hand on: read or written after them.
+    manager = _HandedOn()   # the block-manager state (`allocator.init_state`'s pytree)
+    cache = _HandedOn()     # the paged KV cache (`kv_cache.init_cache`)
 
     def __init__(self, model, config):
         self.launcher = Launcher()
@@ -142,29 +164,6 @@ class Executor:
         # The last step's device part (inputs to the device, the compiled call or loop, results
         # back): (when it began, when its results were on the host), perf_counter seconds.
         self.last_device_window = (0.0, 0.0)
-
-    # ---- device state, once the loops on the launcher thread handed it on --------------------
-    @property
-    def manager(self):
-        """The block-manager state (`allocator.init_state`'s pytree)."""
-        self.launcher.settle()
-        return self._manager
-
-    @manager.setter
-    def manager(self, value):
-        self.launcher.settle()
-        self._manager = value
-
-    @property
-    def cache(self):
-        """The paged KV cache (`kv_cache.init_cache`)."""
-        self.launcher.settle()
-        return self._cache
-
-    @cache.setter
-    def cache(self, value):
-        self.launcher.settle()
-        self._cache = value
 
     # ---- block operations, in the ledger's order --------------------------------------------
     def apply(self, ops: list[BlockOp]):
